@@ -1,0 +1,107 @@
+"""Atomic checkpoints with checksums, keep-last-k, and resume from the newest valid one.
+
+A checkpoint `ckpt-<step>.pt` is serialised in memory, hashed, written to a temp
+file, fsynced and renamed into place; its SHA-256 then goes into `ckpt-<step>.pt.sha256`
+(also atomic). A checkpoint without a matching sidecar (killed mid-write, truncated,
+corrupted) is skipped with a warning and the previous one is used. Loading uses
+`torch.load(weights_only=True)`: a checkpoint is data, never code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, payload: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_file(path: Path, obj) -> str:
+    """torch.save obj to path atomically; returns its SHA-256 (also written beside it)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    payload = buf.getvalue()
+    digest = hashlib.sha256(payload).hexdigest()
+    write_atomic(path, payload)
+    write_atomic(Path(str(path) + ".sha256"), f"{digest}  {Path(path).name}\n".encode())
+    return digest
+
+
+def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    if not Path(folder).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(folder).iterdir() if (m := PATTERN.match(p.name))]
+    return sorted(found)
+
+
+def save(folder: Path, step: int, state: dict, keep_last: int) -> Path:
+    path = Path(folder) / f"ckpt-{step:09d}.pt"
+    save_file(path, state)
+    for _, old in list_checkpoints(folder)[:-keep_last]:
+        old.unlink(missing_ok=True)
+        Path(str(old) + ".sha256").unlink(missing_ok=True)
+    return path
+
+
+def verify(path: Path) -> str | None:
+    """None if the file matches its recorded SHA-256, else the reason it does not."""
+    side = Path(str(path) + ".sha256")
+    if not side.is_file():
+        return "no checksum file (the write did not finish)"
+    expected = side.read_text().split()[0] if side.read_text().strip() else ""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    if h.hexdigest() != expected:
+        return "checksum mismatch (truncated or corrupt)"
+    return None
+
+
+def load(path: Path, map_location="cpu") -> dict:
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def latest_valid(folder: Path, stage_hash: str, warn=print) -> tuple[Path, dict] | None:
+    """The newest checkpoint that verifies and belongs to this stage's config, loaded."""
+    for _, path in reversed(list_checkpoints(folder)):
+        problem = verify(path)
+        if problem is None:
+            try:
+                state = load(path)
+            except Exception as e:  # noqa: BLE001 - an unreadable file is skipped, not fatal
+                problem = f"cannot be loaded ({type(e).__name__})"
+            else:
+                if state.get("stage_hash") == stage_hash:
+                    return path, state
+                problem = "written for a different config of this stage"
+        warn(f"ddpflow: warning: skipping checkpoint {path.name}: {problem}", file=sys.stderr)
+    return None

@@ -1,0 +1,117 @@
+"""The `ddpflow` command: workflow rules call it, it calls the library.
+
+    ddpflow validate --config config/config.yaml [--set stages.0.epochs=1]
+    ddpflow prepare  --config config/config.yaml
+    ddpflow launch   --config config/config.yaml --stage warmup
+    ddpflow run      --config config/config.yaml        # prepare + every stage, in order
+    ddpflow train    --resolved <stage>/config.json --stage S   (what each torchrun rank runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from . import __version__
+from .config import from_dict, load_config
+from .errors import UserError
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default="config/config.yaml", help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key, e.g. --set stages.0.epochs=1 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ddpflow", description=__doc__.split("\n")[0])
+    ap.add_argument("--version", action="version", version=f"ddpflow {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="validate a config and print it resolved")
+    _config_args(p)
+
+    p = sub.add_parser("prepare", help="turn the data source into the prepared format")
+    _config_args(p)
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--verify", action="store_true", help="also re-check the arrays' SHA-256")
+
+    p = sub.add_parser("launch", help="run one stage with torchrun across this node's ranks")
+    _config_args(p)
+    p.add_argument("--stage", required=True, help="stage name from the config's stages list")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun line only")
+    p.add_argument("--halt-after-steps", type=int, default=None,
+                   help="checkpoint and stop after this many optimizer steps (resumable)")
+
+    p = sub.add_parser("run", help="prepare the data and run every stage in order")
+    _config_args(p)
+
+    p = sub.add_parser("train", help="one rank's training (started by torchrun)")
+    p.add_argument("--resolved", required=True, help="resolved config JSON written by launch")
+    p.add_argument("--stage", required=True)
+    p.add_argument("--halt-after-steps", type=int, default=None)
+    return ap
+
+
+def _prepare(cfg, force=False, verify=False) -> None:
+    from .data import prepared
+    from .data.prepare import describe, prepare
+
+    meta, did = prepare(cfg, force=force)
+    if verify:
+        prepared.verify(cfg.data_dir, meta)
+    print(describe(meta, cfg.data_dir, did))
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        import json
+
+        from .train import main as train_main
+
+        with open(args.resolved) as f:
+            cfg = from_dict(json.load(f))
+        return train_main(cfg, args.stage, args.halt_after_steps)
+
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "validate":
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        print(f"# config hash {cfg.hash}", file=sys.stderr)
+        return 0
+    if args.command == "prepare":
+        _prepare(cfg, args.force, args.verify)
+        return 0
+    from .launch import launch
+
+    if args.command == "launch":
+        cfg.stage(args.stage)  # an unknown stage fails before anything runs
+        extra = ([f"--halt-after-steps={args.halt_after_steps}"]
+                 if args.halt_after_steps is not None else [])
+        return launch(cfg, args.stage, dry_run=args.dry_run, extra_args=extra)
+    if args.command == "run":
+        _prepare(cfg)
+        for st in cfg.stages:
+            rc = launch(cfg, st.name)
+            if rc:
+                return rc
+        print(f"ddpflow: all {len(cfg.stages)} stage(s) finished; results in {cfg.run_dir}")
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except UserError as e:
+        print(f"ddpflow: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("ddpflow: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Load, override, validate and resolve a ddpflow config into one typed object.
+
+The JSON Schema at workflow/schemas/config.schema.yaml is the single source of
+truth for keys, types, ranges and defaults; the Snakefile validates against the
+same file. `load_config` is the only entry point: it validates once and returns a
+`Config` whose `to_dict()` is saved into every checkpoint and summary.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from .errors import UserError
+
+SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "config.schema.yaml"
+
+
+# --------------------------------------------------------------------------- typed config
+@dataclass(frozen=True)
+class Augment:
+    crop_padding: int  # pixels of zero padding before the random crop
+    flip: bool  # random horizontal flip
+    translate: int  # extra random shift in pixels (0 = off)
+
+
+@dataclass(frozen=True)
+class DataCfg:
+    source: str
+    path: str | None
+    image_size: int  # pixels (square)
+    num_classes: int  # synthetic only; real sources report their own
+    train_size: int | None  # samples (synthetic: generated; real: optional cap)
+    val_size: int | None
+    grayscale: bool
+    val_fraction: float  # imagefolder without val/: share of each class held out
+    max_bad_fraction: float  # imagefolder: tolerated share of unreadable files
+    verify_checksum: bool
+    prepare_workers: int | str  # processes for decoding images ("auto" = all cores)
+    loader: str  # auto | device | dataloader
+    device_memory_fraction: float  # share of free device memory the device loader may use
+    num_workers: int  # DataLoader worker processes per rank
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int  # batches per worker
+    augment: Augment
+
+
+@dataclass(frozen=True)
+class ModelCfg:
+    name: str
+    sync_bn: bool
+
+
+@dataclass(frozen=True)
+class HardwareCfg:
+    device: str  # auto | cuda | cpu
+    nproc_per_node: int | str  # ranks on this node ("auto" = visible GPUs, 1 on CPU)
+    devices: tuple[int, ...] | None  # GPU ids -> CUDA_VISIBLE_DEVICES
+    threads_per_rank: int | str  # CPU threads per rank ("auto" = cores / ranks)
+    nodes: int
+    max_restarts: int  # torchrun restarts of the whole group after a rank dies
+    timeout_s: int  # seconds a collective may hang before the job fails
+
+
+@dataclass(frozen=True)
+class CheckpointCfg:
+    every_steps: int  # optimizer steps between checkpoints (0 = only at epoch end)
+    keep_last: int
+    resume: str  # auto | never
+
+
+@dataclass(frozen=True)
+class ContainerCfg:
+    engine: str
+    image: str
+    base_image: str | None
+    shm_size: str
+
+
+@dataclass(frozen=True)
+class StageCfg:
+    name: str
+    epochs: int
+    max_steps: int | None  # optimizer steps; overrides epochs when set
+    batch_size: int  # samples per rank per micro-step
+    lr: float  # for lr_reference_batch samples of global batch, see lr_scaling
+    lr_scaling: str  # none | linear | sqrt
+    lr_reference_batch: int
+    optimizer: str
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    schedule: str
+    warmup_epochs: float
+    label_smoothing: float
+    grad_accum_steps: int
+    grad_clip: float | None
+    precision: str
+    channels_last: bool
+    compile: bool
+    strategy: str
+    init_from: str | None
+
+
+@dataclass(frozen=True)
+class Config:
+    run: str
+    results_dir: str
+    seed: int
+    deterministic: bool
+    log_every_steps: int
+    data: DataCfg
+    model: ModelCfg
+    hardware: HardwareCfg
+    checkpoint: CheckpointCfg
+    container: ContainerCfg
+    stages: tuple[StageCfg, ...] = field(default_factory=tuple)
+
+    # ---- derived places
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.results_dir) / self.run
+
+    @property
+    def data_dir(self) -> Path:
+        return self.run_dir / "data"
+
+    def stage_dir(self, name: str) -> Path:
+        return self.run_dir / "stages" / name
+
+    def stage(self, name: str) -> StageCfg:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        names = ", ".join(s.name for s in self.stages)
+        raise UserError(f"no stage named '{name}' in the config; stages are: {names}")
+
+    def stage_index(self, name: str) -> int:
+        return [s.name for s in self.stages].index(self.stage(name).name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+    @property
+    def hash(self) -> str:
+        return config_hash(self.to_dict())
+
+    def stage_hash(self, name: str) -> str:
+        """Hash of what one stage's result depends on: everything but the other stages."""
+        d = self.to_dict()
+        d["stages"] = d["stages"][: self.stage_index(name) + 1]
+        d.pop("log_every_steps", None)
+        return config_hash(d)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def config_hash(d: dict[str, Any]) -> str:
+    blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- validation
+def _schema() -> dict[str, Any]:
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+def _with_defaults(validator_class):
+    """A validator that fills in schema defaults while it validates (jsonschema FAQ recipe)."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+def _where(path) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+def _message(err: jsonschema.ValidationError) -> str:
+    where = _where(err.absolute_path)
+    if err.validator == "additionalProperties":
+        allowed = sorted(err.schema.get("properties", {}))
+        extra = sorted(set(err.instance) - set(allowed))
+        keys = ", ".join(repr(k) for k in extra)
+        prefix = "" if where == "(top level)" else where + "."
+        return (f"unknown key {prefix}{extra[0] if len(extra) == 1 else '{' + keys + '}'}"
+                f"; allowed keys here: {', '.join(allowed)}")
+    if err.validator == "enum":
+        return f"{where}: {err.instance!r} is not one of {', '.join(map(repr, err.validator_value))}"
+    if err.validator == "oneOf":
+        options = []
+        for sub in err.validator_value:
+            options.append(repr(sub["const"]) if "const" in sub else
+                           f"{sub.get('type')} >= {sub.get('minimum')}")
+        return f"{where}: {err.instance!r} is not allowed; use {' or '.join(options)}"
+    if err.validator == "required":
+        return f"{where}: {err.message}"
+    return f"{where}: {err.message}"
+
+
+def validate(raw: dict[str, Any]) -> dict[str, Any]:
+    """Validate a raw config dict, fill defaults, and return it. Raises UserError."""
+    if not isinstance(raw, dict):
+        raise UserError("the config must be a YAML mapping of keys to values")
+    d = copy.deepcopy(raw)
+    schema = _schema()
+    cls = _with_defaults(jsonschema.validators.validator_for(schema))
+    errors = sorted(cls(schema).iter_errors(d), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        lines = [_message(e) for e in errors]
+        raise UserError("invalid config: " + "; ".join(dict.fromkeys(lines)))
+    names = [s["name"] for s in d["stages"]]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UserError(f"invalid config: stage names must be unique, repeated: {', '.join(dupes)}")
+    if d["stages"][0].get("init_from") == "previous":
+        raise UserError("invalid config: stages.0.init_from: the first stage has no previous "
+                        "stage; use null or a path to weights")
+    if d["data"]["source"] not in ("synthetic",) and not d["data"]["path"]:
+        raise UserError(f"invalid config: data.path is required for data.source "
+                        f"'{d['data']['source']}' (the folder or archive with the files)")
+    return d
+
+
+def _build(d: dict[str, Any]) -> Config:
+    data = dict(d["data"])
+    data["augment"] = Augment(**data["augment"])
+    hw = dict(d["hardware"])
+    hw["devices"] = tuple(hw["devices"]) if hw["devices"] is not None else None
+    return Config(
+        run=d["run"], results_dir=d["results_dir"], seed=d["seed"],
+        deterministic=d["deterministic"], log_every_steps=d["log_every_steps"],
+        data=DataCfg(**data), model=ModelCfg(**d["model"]), hardware=HardwareCfg(**hw),
+        checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
+        stages=tuple(StageCfg(**s) for s in d["stages"]),
+    )
+
+
+# --------------------------------------------------------------------------- loading
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise UserError(f"--set expects dotted.key=value, got '{text}'")
+    key, value = text.split("=", 1)
+    if not key or any(not p for p in key.split(".")):
+        raise UserError(f"--set expects dotted.key=value, got '{text}'")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    d = copy.deepcopy(d)
+    for text in overrides or []:
+        parts, value = parse_override(text)
+        node: Any = d
+        for i, p in enumerate(parts):
+            last = i == len(parts) - 1
+            where = ".".join(parts[: i + 1])
+            if isinstance(node, list):
+                if not p.isdigit() or int(p) >= len(node):
+                    raise UserError(f"--set {'.'.join(parts)}: '{p}' is not an index of "
+                                    f"{'.'.join(parts[:i]) or 'the list'} (0..{len(node) - 1})")
+                if last:
+                    node[int(p)] = value
+                else:
+                    node = node[int(p)]
+            elif isinstance(node, dict):
+                if last:
+                    node[p] = value
+                else:
+                    node = node.setdefault(p, {})
+            else:
+                raise UserError(f"--set {'.'.join(parts)}: {where} is not a mapping or list")
+    return d
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {p} (pass --config with a YAML file, "
+                        f"e.g. config/config.yaml)")
+    try:
+        with open(p) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"config file {p} is not valid YAML{at}: "
+                        f"{getattr(e, 'problem', None) or e}") from None
+    return raw if raw is not None else {}
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    return _build(validate(raw))
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read YAML, apply `--set` overrides, validate once, return the typed config."""
+    return from_dict(apply_overrides(read_yaml(path), overrides or []))

@@ -1,0 +1,114 @@
+"""`root/<class>/<image>` trees: decoded in parallel, resized and centre-cropped once.
+
+An explicit `root/train` + `root/val` pair is honoured; otherwise each class is split
+by a seeded, stratified draw of `val_fraction`. Unreadable files are skipped and
+listed; more than `max_bad_fraction` of them is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from .prepared import open_split
+
+EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm"}
+
+
+def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """Class names (sorted folder names) and (file, label) pairs."""
+    if not root.is_dir():
+        raise UserError(f"image folder {root} does not exist or is not a folder")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise UserError(f"{root} has no class folders: expected {root}/<class>/<image> files")
+    items = []
+    for label, name in enumerate(classes):
+        files = sorted(p for p in (root / name).rglob("*")
+                       if p.is_file() and p.suffix.lower() in EXTENSIONS)
+        if not files:
+            raise UserError(f"class folder {root / name} has no images "
+                            f"({', '.join(sorted(EXTENSIONS))}); remove it or add images")
+        items += [(str(f), label) for f in files]
+    return classes, items
+
+
+def stratified_split(labels: np.ndarray, val_fraction: float, seed: int):
+    """Indices (train, val): per class, a seeded shuffle and round(n * fraction) held out."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        rng.shuffle(idx)
+        k = int(round(len(idx) * val_fraction))
+        k = min(max(k, 1 if len(idx) > 1 else 0), len(idx) - 1)
+        val.append(idx[:k])
+        train.append(idx[k:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+def _decode(args):
+    """Worker: one file -> uint8 HWC array of size x size, or an error string."""
+    path, size, grayscale = args
+    from PIL import Image, ImageOps
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+            if im.mode in ("RGBA", "LA", "P") and not grayscale:
+                im = im.convert("RGBA")
+                bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
+                im = Image.alpha_composite(bg, im)
+            im = im.convert("L" if grayscale else "RGB")
+            im = ImageOps.fit(im, (size, size), Image.BILINEAR)  # resize shorter side + centre crop
+            arr = np.asarray(im, dtype=np.uint8)
+    except Exception as e:  # noqa: BLE001 - any decode failure is a bad file, reported
+        return None, f"{type(e).__name__}: {e}"
+    return (arr[..., None] if arr.ndim == 2 else arr), None
+
+
+def workers(setting) -> int:
+    return os.cpu_count() or 1 if setting == "auto" else int(setting)
+
+
+def decode_into(folder: Path, split: str, items, size: int, grayscale: bool, nworkers: int,
+                progress=None):
+    """Decode items into the split's arrays; returns (kept count, [(file, reason)] skipped)."""
+    channels = 1 if grayscale else 3
+    images, labels = open_split(folder, split, len(items), (size, size, channels))
+    skipped, kept = [], 0
+    jobs = [(f, size, grayscale) for f, _ in items]
+    pool = ProcessPoolExecutor(nworkers) if nworkers > 1 else None
+    results = pool.map(_decode, jobs, chunksize=64) if pool else map(_decode, jobs)
+    try:
+        for (f, label), (arr, err) in zip(items, results):
+            if progress is not None:
+                progress.update(1)
+            if arr is None:
+                skipped.append((f, err))
+                continue
+            images[kept] = arr
+            labels[kept] = label
+            kept += 1
+    finally:
+        if pool:
+            pool.shutdown()
+    images.flush()
+    labels.flush()
+    del images, labels
+    if kept < len(items):  # shrink the arrays to what was decoded
+        _truncate(folder, split, kept)
+    return kept, skipped
+
+
+def _truncate(folder: Path, split: str, n: int) -> None:
+    for kind in ("images", "labels"):
+        p = folder / f"{split}_{kind}.npy"
+        full = np.load(p, mmap_mode="r")
+        part = np.array(full[:n])
+        del full
+        np.save(p, part)

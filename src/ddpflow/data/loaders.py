@@ -1,0 +1,172 @@
+"""Training and validation batches from a prepared dataset, on the training device.
+
+Both loaders draw each rank's share of an epoch from the same `EpochSampler`
+(torch's DistributedSampler order, plus a start offset for exact resume), and both
+run augmentation and normalisation as batched tensor ops on the device, seeded
+per (seed, epoch, step, rank). So for the same seed they yield the same batches:
+    device      the whole uint8 dataset lives in device memory; a batch is an index_select
+    dataloader  torch DataLoader workers read the memory-mapped arrays; pinned, non-blocking copy
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ..config import Augment
+
+
+class EpochSampler(DistributedSampler):
+    """DistributedSampler whose epoch can start at an offset (samples already seen)."""
+
+    def __init__(self, n: int, world: int, rank: int, seed: int):
+        super().__init__(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self):
+        return self.num_samples - self.start
+
+
+def step_generator(device: torch.device, seed: int, epoch: int, step: int, rank: int):
+    """A generator seeded by position alone: augmentation needs no saved RNG to resume."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + epoch * 10_007 + step * 101 + rank) % (2**63))
+    return g
+
+
+def augment(x: torch.Tensor, aug: Augment, g: torch.Generator) -> torch.Tensor:
+    """Random crop with zero padding (+ translate) and horizontal flip on uint8 NHWC."""
+    b, h, w, _ = x.shape
+    pad = aug.crop_padding + aug.translate
+    if pad > 0:
+        xp = F.pad(x, (0, 0, pad, pad, pad, pad))
+        dy = torch.randint(0, 2 * pad + 1, (b,), device=x.device, generator=g)
+        dx = torch.randint(0, 2 * pad + 1, (b,), device=x.device, generator=g)
+        rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]
+        cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]
+        x = xp[torch.arange(b, device=x.device)[:, None, None], rows, cols]
+    if aug.flip:
+        flip = torch.rand(b, device=x.device, generator=g) < 0.5
+        x = torch.where(flip[:, None, None, None], x.flip(2), x)
+    return x
+
+
+class Normalize:
+    """uint8 NHWC -> float NCHW, (x/255 - mean) / std, optionally 3 channels and channels_last."""
+
+    def __init__(self, mean, std, device, want_channels: int, channels_last: bool):
+        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255.0
+        self.inv_std = 1.0 / (torch.tensor(std, device=device).view(1, -1, 1, 1) * 255.0)
+        self.want_channels = want_channels
+        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = (x.permute(0, 3, 1, 2).float() - self.mean) * self.inv_std
+        if x.shape[1] != self.want_channels:
+            x = x.expand(-1, self.want_channels, -1, -1)
+        return x.contiguous(memory_format=self.fmt)
+
+
+class _Memmap(Dataset):
+    """Indexable view of the memory-mapped arrays; fetches a whole batch per call."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.__getitems__([i])
+
+    def __getitems__(self, idx):
+        return torch.from_numpy(self.images[idx]), torch.from_numpy(self.labels[idx]).long()
+
+
+def _as_is(batch):
+    return batch
+
+
+class TrainBatches:
+    """Yields (inputs float NCHW, labels) for one epoch of this rank, from `start_step` on."""
+
+    def __init__(self, kind, images, labels, batch_size, device, world, rank, seed, aug,
+                 normalize, num_workers=0, pin_memory=False, persistent_workers=False,
+                 prefetch_factor=2):
+        self.kind, self.batch_size, self.device = kind, batch_size, device
+        self.rank, self.seed, self.aug, self.normalize = rank, seed, aug, normalize
+        self.sampler = EpochSampler(len(labels), world, rank, seed)
+        self.steps_per_epoch = self.sampler.num_samples // batch_size
+        if kind == "device":
+            # the whole split is copied to the device once; steps only index it
+            self.images = torch.from_numpy(np.array(images)).to(device)
+            self.labels = torch.from_numpy(np.array(labels)).long().to(device)
+        else:
+            workers = dict(persistent_workers=persistent_workers,
+                           prefetch_factor=prefetch_factor) if num_workers > 0 else {}
+            self.loader = DataLoader(
+                _Memmap(images, labels), batch_size=batch_size, sampler=self.sampler,
+                num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda",
+                drop_last=True, collate_fn=_as_is, **workers)
+
+    def __len__(self):
+        return self.steps_per_epoch
+
+    def epoch(self, epoch: int, start_step: int = 0):
+        self.sampler.set_epoch(epoch, start_step * self.batch_size)
+        if self.kind == "device":
+            order = torch.tensor(list(iter(self.sampler)), device=self.device)
+            batches = (order[i * self.batch_size:(i + 1) * self.batch_size]
+                       for i in range(self.steps_per_epoch - start_step))
+            pairs = ((self.images[idx], self.labels[idx]) for idx in batches)
+        else:
+            pairs = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                     for x, y in self.loader)
+        for step, (x, y) in enumerate(pairs, start=start_step):
+            g = step_generator(self.device, self.seed, epoch, step, self.rank)
+            yield self.normalize(augment(x, self.aug, g)), y
+
+
+def val_batches(images, labels, batch_size, device, world, rank, normalize):
+    """This rank's strided share of the validation split, unaugmented, in order."""
+    idx = list(range(rank, len(labels), world))
+    for i in range(0, len(idx), batch_size):
+        part = idx[i:i + batch_size]
+        x = torch.from_numpy(images[part]).to(device, non_blocking=True)
+        y = torch.from_numpy(labels[part]).long().to(device, non_blocking=True)
+        yield normalize(x), y
+
+
+def choose_loader(setting: str, nbytes: int, device: torch.device, fraction: float):
+    """(kind, reason): `device` when the dataset fits in `fraction` of free device memory."""
+    if setting != "auto":
+        return setting, f"data.loader is set to '{setting}'"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _available_host_memory()
+    fits = nbytes <= fraction * free
+    verdict = "fits" if fits else "does not fit"
+    reason = (f"dataset {nbytes / 2**20:.0f} MiB {verdict} in {fraction:g} of "
+              f"{free / 2**30:.1f} GiB free {device.type} memory")
+    return ("device" if fits else "dataloader"), reason
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30

@@ -1,0 +1,161 @@
+"""The prepared on-disk format every data source is turned into, once.
+
+A prepared dataset is a folder with
+    train_images.npy  uint8 [N, H, W, C]   (memory-mappable, NHWC)
+    train_labels.npy  int64 [N]
+    val_images.npy    uint8 [M, H, W, C]
+    val_labels.npy    int64 [M]
+    meta.json         classes, counts, mean/std, source, sha256 of each array, format version
+It is built in a sibling `<name>.partial` folder and renamed into place only when
+complete; meta.json is written last. A folder without a valid meta.json is never
+read as a dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import UserError
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def open_split(folder: Path, split: str, n: int, shape: tuple[int, int, int]):
+    """Allocate the image/label arrays of one split on disk; the caller fills them."""
+    images = np.lib.format.open_memmap(folder / f"{split}_images.npy", mode="w+",
+                                       dtype=np.uint8, shape=(n, *shape))
+    labels = np.lib.format.open_memmap(folder / f"{split}_labels.npy", mode="w+",
+                                       dtype=np.int64, shape=(n,))
+    return images, labels
+
+
+def save_split(folder: Path, split: str, images: np.ndarray, labels: np.ndarray) -> None:
+    out_x, out_y = open_split(folder, split, len(images), images.shape[1:])
+    out_x[:] = images
+    out_y[:] = labels
+    out_x.flush()
+    out_y.flush()
+    del out_x, out_y
+
+
+def channel_stats(images: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std on the 0..1 scale, streamed in chunks (float64 sums)."""
+    c = images.shape[-1]
+    s = np.zeros(c)
+    s2 = np.zeros(c)
+    n = 0
+    for i in range(0, len(images), chunk):
+        x = images[i:i + chunk].reshape(-1, c).astype(np.float64) / 255.0
+        s += x.sum(0)
+        s2 += (x * x).sum(0)
+        n += len(x)
+    mean = s / max(n, 1)
+    std = np.sqrt(np.maximum(s2 / max(n, 1) - mean * mean, 1e-12))
+    return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
+
+
+def finish(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Check labels, compute stats and checksums, write meta.json last."""
+    counts = {}
+    for split in SPLITS:
+        y = np.load(folder / f"{split}_labels.npy", mmap_mode="r")
+        if len(y) and (y.min() < 0 or y.max() >= meta["num_classes"]):
+            raise UserError(f"labels out of range in the {split} split: found {int(y.min())}.."
+                            f"{int(y.max())}, expected 0..{meta['num_classes'] - 1}; "
+                            f"the source files are corrupt or of another dataset")
+        per_class = np.bincount(y, minlength=meta["num_classes"]).tolist()
+        counts[split] = {"total": int(len(y)), "per_class": per_class}
+    if counts["train"]["total"] == 0:
+        raise UserError("the prepared training split is empty: no images were found")
+    x = np.load(folder / "train_images.npy", mmap_mode="r")
+    meta["mean"], meta["std"] = channel_stats(x)
+    meta["image_shape"] = list(x.shape[1:])
+    meta["counts"] = counts
+    meta["format_version"] = FORMAT_VERSION
+    files = [f"{s}_{k}.npy" for s in SPLITS for k in ("images", "labels")]
+    meta["sha256"] = {f: sha256_file(folder / f) for f in files}
+    meta["bytes"] = {f: (folder / f).stat().st_size for f in files}
+    write_json_atomic(folder / "meta.json", meta)
+    return meta
+
+
+def read_meta(folder: Path) -> dict[str, Any] | None:
+    """meta.json of a complete prepared folder, or None (missing, partial, other version)."""
+    try:
+        with open(Path(folder) / "meta.json") as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if meta.get("format_version") != FORMAT_VERSION:
+        return None
+    for name, size in meta.get("bytes", {}).items():
+        p = Path(folder) / name
+        if not p.is_file() or p.stat().st_size != size:
+            return None
+    return meta
+
+
+def verify(folder: Path, meta: dict[str, Any]) -> None:
+    """Full checksum check of the arrays (seconds per GB)."""
+    for name, digest in meta["sha256"].items():
+        if sha256_file(Path(folder) / name) != digest:
+            raise UserError(f"prepared data file {Path(folder) / name} does not match its "
+                            f"checksum in meta.json; run `ddpflow prepare --force` to rebuild it")
+
+
+def load(folder: Path) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Memory-map a prepared folder: meta and {split: (images, labels)}."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    if meta is None:
+        raise UserError(f"no prepared dataset at {folder} (missing or incomplete meta.json); "
+                        f"run `ddpflow prepare --config ...` first")
+    arrays = {s: (np.load(folder / f"{s}_images.npy", mmap_mode="r"),
+                  np.load(folder / f"{s}_labels.npy", mmap_mode="r")) for s in SPLITS}
+    return meta, arrays
+
+
+def build_into(target: Path, build) -> dict[str, Any]:
+    """Run `build(partial_folder) -> meta` and move the result to `target` atomically."""
+    target = Path(target)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        meta = build(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    old = target.with_name(target.name + ".old")
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    os.replace(partial, target)
+    shutil.rmtree(old, ignore_errors=True)
+    return meta

@@ -1,0 +1,127 @@
+"""Process-group setup for one rank under torchrun: device, backend, seeds, determinism."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .config import HardwareCfg
+from .errors import UserError
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+    backend: str | None  # None: a single process without a process group (strategy dp)
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(hw: HardwareCfg) -> torch.device:
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("hardware.device is 'cuda' but no CUDA GPU is visible; "
+                        "use hardware.device: cpu (or auto)")
+    use_cuda = hw.device == "cuda" or (hw.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda") if use_cuda else torch.device("cpu")
+
+
+def setup(hw: HardwareCfg, process_group: bool = True) -> Dist:
+    """Read torchrun's environment, bind this rank to its GPU, join the process group."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    device = pick_device(hw)
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; "
+                            f"lower hardware.nproc_per_node")
+        torch.cuda.set_device(local_rank)  # one rank per GPU: LOCAL_RANK -> cuda:LOCAL_RANK
+        device = torch.device("cuda", local_rank)
+    threads = int(os.environ.get("DDPFLOW_THREADS", 0)) or max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    backend = None
+    if process_group and "RANK" in os.environ:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        # a hung collective fails after timeout_s instead of holding the allocation for hours
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=hw.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return Dist(rank, local_rank, world if backend else 1, device, backend)
+
+
+def teardown(d: Dist) -> None:
+    if d.backend and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
+    """Same model init on every rank (seed), different dropout streams (seed + rank)."""
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True  # pick the fastest conv kernels for fixed shapes
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def gather_objects(d: Dist, obj) -> list:
+    """Every rank's obj on every rank (a collective; a sync point)."""
+    if not d.backend:
+        return [obj]
+    out = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_max(d: Dist, value: float) -> float:
+    """The largest value over ranks (a collective; a host-device sync on CUDA)."""
+    if not d.backend:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_sum(d: Dist, t: torch.Tensor) -> torch.Tensor:
+    if d.backend:
+        dist.all_reduce(t)
+    return t
+
+
+def all_gather_floats(d: Dist, values: list[float]) -> list[list[float]]:
+    """Per-rank lists of floats (a collective)."""
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    if not d.backend:
+        return [t.tolist()]
+    out = [torch.zeros_like(t) for _ in range(d.world)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]

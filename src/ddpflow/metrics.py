@@ -1,0 +1,51 @@
+"""metrics.jsonl (one JSON object per log interval / validation) and stage summaries."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLog:
+    """Append-only JSONL written by rank 0; on resume, records after the checkpoint are dropped
+    so that a resumed run's file reads as if it had never stopped."""
+
+    def __init__(self, path: Path, keep_until_step: int | None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if keep_until_step is not None and self.path.exists():
+            kept = [r for r in read_records(self.path)[0] if r.get("step", 0) <= keep_until_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.path)
+        self.f = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def read_records(path: Path) -> tuple[list[dict], list[str]]:
+    """(records, problems): a truncated or malformed line is reported, not silently dropped."""
+    records, problems = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                problems.append(f"{Path(path).name} line {n} is truncated or malformed")
+    return records, problems
+
+
+def mean_throughput(records: list[dict]) -> float | None:
+    """Mean global samples/s over train intervals, leaving out each start's warm-up interval."""
+    xs = [r["samples_per_s"] for r in records if r.get("kind") == "train" and not r.get("warmup")]
+    return sum(xs) / len(xs) if xs else None

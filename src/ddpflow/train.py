@@ -1,0 +1,343 @@
+"""Train one stage with DistributedDataParallel + automatic mixed precision.
+
+Every rank of the node runs this, started by torchrun (`ddpflow launch` builds the line):
+
+    torchrun --nnodes=1 --nproc_per_node=8 --master-addr=127.0.0.1 --master-port=29500 \
+        --max-restarts=2 -m ddpflow train --resolved results/<run>/stages/<stage>/config.json \
+        --stage <stage>
+
+On CPU the same line with --nproc_per_node=2 trains 2 gloo ranks. Rank 0 alone writes
+files and shows the progress bar. Reading order: setup, data, model, optimizer and
+precision, resume, the loop, the end of the stage.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from . import checkpoint, distributed
+from .config import Config
+from .data import prepared
+from .data.loaders import Normalize, TrainBatches, choose_loader, val_batches
+from .errors import UserError
+from .metrics import MetricsLog, mean_throughput, read_records
+from .models import build_model, input_channels, param_count, unwrap
+from .summary import write_summary
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def pick_precision(setting: str, device: torch.device) -> str:
+    """auto = bf16 where the hardware does it natively (Ampere+ GPUs, CPUs), else fp16."""
+    if setting != "auto":
+        return setting
+    if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bf16"
+    return "fp16"
+
+
+def lr_factor(rule: str, global_batch: int, reference: int) -> float:
+    """`lr` is stated for `reference` samples per optimizer step; this rescales it."""
+    ratio = global_batch / reference
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+
+
+def schedule(kind: str, warmup: int, total: int):
+    """Multiplier of the base LR at optimizer step s: linear warm-up, then the decay."""
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if kind == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (s - warmup) / (total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1 - progress
+    return f
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
+    """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
+    st = cfg.stage(stage_name)
+    out = cfg.stage_dir(st.name)
+    ckpt_dir = out / "checkpoints"
+
+    # ---------------------------------------------------------------- setup
+    d = distributed.setup(cfg.hardware, process_group=st.strategy == "ddp")
+    distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
+    precision = pick_precision(st.precision, d.device)
+    if d.device.type == "cuda" and precision == "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls/convs
+        torch.backends.cudnn.allow_tf32 = True
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):  # only set a flag: saving inside a handler can deadlock
+        stop["signal"] = signal.Signals(signum).name
+
+    for s in PREEMPT_SIGNALS:
+        signal.signal(s, on_signal)
+
+    def say(msg: str) -> None:
+        if d.is_master:
+            tqdm.write(f"[{st.name}] {msg}", file=sys.stderr)
+
+    # ---------------------------------------------------------------- data
+    meta, arrays = prepared.load(cfg.data_dir)
+    (train_x, train_y), (val_x, val_y) = arrays["train"], arrays["val"]
+    nbytes = sum(a.nbytes for pair in arrays.values() for a in pair)
+    loader_kind, loader_reason = choose_loader(cfg.data.loader, nbytes, d.device,
+                                               cfg.data.device_memory_fraction)
+    say(f"loader: {loader_kind} ({loader_reason})")
+    in_ch = input_channels(cfg.model.name, meta["image_shape"][2])
+    normalize = Normalize(meta["mean"], meta["std"], d.device, in_ch, st.channels_last)
+    batches = TrainBatches(
+        loader_kind, train_x, train_y, st.batch_size, d.device, d.world, d.rank, cfg.seed,
+        cfg.data.augment, normalize, cfg.data.num_workers, cfg.data.pin_memory,
+        cfg.data.persistent_workers, cfg.data.prefetch_factor)
+    accum = st.grad_accum_steps
+    steps_per_epoch = len(batches) // accum  # optimizer steps; a trailing partial group is dropped
+    if steps_per_epoch == 0:
+        raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size {st.batch_size} x "
+                        f"{d.world} ranks x {accum} accumulation exceeds the "
+                        f"{len(train_y)} training samples; lower the batch size")
+    total_steps = st.max_steps or st.epochs * steps_per_epoch
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    global_batch = st.batch_size * d.world * accum
+
+    # ---------------------------------------------------------------- model
+    model = build_model(cfg.model.name, meta["num_classes"], in_ch)
+    if st.init_from:
+        src = (cfg.stage_dir(cfg.stages[cfg.stage_index(st.name) - 1].name) / "final.pt"
+               if st.init_from == "previous" else Path(st.init_from))
+        if not src.is_file():
+            raise UserError(f"init_from of stage '{st.name}': {src} does not exist; "
+                            f"run the earlier stage first or fix the path")
+        model.load_state_dict(checkpoint.load(src)["model"])
+        say(f"initialised from {src}")
+    model.to(d.device)
+    if st.channels_last:
+        model.to(memory_format=torch.channels_last)
+    if d.backend and cfg.model.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if st.strategy == "dp":  # baseline only: one process driving every visible GPU
+        model = nn.DataParallel(model) if d.device.type == "cuda" else model
+    elif d.backend:
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    train_model = torch.compile(model) if st.compile else model
+
+    # ---------------------------------------------------------------- optimizer, precision
+    lr = st.lr * lr_factor(st.lr_scaling, global_batch, st.lr_reference_batch)
+    decay = [p for p in model.parameters() if p.ndim > 1]  # no weight decay on norms, biases
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": st.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if st.optimizer == "sgd":
+        opt = torch.optim.SGD(groups, lr=lr, momentum=st.momentum,
+                              nesterov=st.nesterov and st.momentum > 0)
+    else:
+        opt = torch.optim.AdamW(groups, lr=lr)
+    warmup = round(st.warmup_epochs * steps_per_epoch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(st.schedule, warmup, total_steps))
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
+    criterion = nn.CrossEntropyLoss(label_smoothing=st.label_smoothing)
+    autocast = torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+    # ---------------------------------------------------------------- resume
+    step, epoch, start_in_epoch, elapsed = 0, 0, 0, 0.0
+    best = {"val_acc": -1.0, "val_loss": None, "step": None, "epoch": None}
+    loss_carry, loss_count = 0.0, 0  # a resumed log interval's partial loss sum
+    found = (checkpoint.latest_valid(ckpt_dir, cfg.stage_hash(st.name),
+                                     warn=print if d.is_master else lambda *a, **k: None)
+             if cfg.checkpoint.resume == "auto" else None)
+    if found:
+        path, state = found
+        unwrap(model).load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        step, epoch, start_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        elapsed, best = state["elapsed_s"], state["best"]
+        loss_carry, loss_count = state["loss_sum"], state["loss_count"]
+        if len(state["rng"]) == d.world:
+            distributed.set_rng_state(state["rng"][d.rank], d.device)
+        say(f"resumed from {path.name}: step {step}, epoch {epoch}")
+    log = MetricsLog(out / "metrics.jsonl", keep_until_step=step) if d.is_master else None
+
+    def save_checkpoint() -> None:
+        # a collective (every rank's RNG state) and file I/O on rank 0: a sync point
+        rngs = distributed.gather_objects(d, distributed.rng_state(d.device))
+        if d.is_master:
+            state = {
+                "model": unwrap(model).state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
+                "step": step, "epoch": epoch, "step_in_epoch": in_epoch * accum,
+                "elapsed_s": elapsed + time.perf_counter() - t_start, "best": best,
+                "loss_sum": float(loss_sum.item()), "loss_count": loss_count,
+                "rng": rngs, "stage": st.name, "config": cfg.to_dict(),
+                "config_hash": cfg.hash, "stage_hash": cfg.stage_hash(st.name),
+            }
+            checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
+
+    # ---------------------------------------------------------------- the loop
+    say(f"{cfg.model.name} ({param_count(model) / 1e6:.2f} M params) on {d.world} x "
+        f"{d.device.type}, {precision}, global batch {global_batch} "
+        f"({st.batch_size}/rank x {d.world} x {accum} accum), lr {lr:g}, {total_steps} steps")
+    bar = tqdm(total=total_steps, initial=step, desc=st.name, unit="step", file=sys.stderr,
+               disable=not d.is_master or None, dynamic_ncols=True, mininterval=1.0)
+    t_start = time.perf_counter()
+    # summed on the device in float64 (no sync per step); restored exactly on resume
+    loss_sum = torch.tensor(loss_carry, dtype=torch.float64, device=d.device)
+    first_interval = True
+    in_epoch = start_in_epoch // accum
+    halted = False
+    while step < total_steps and not halted:
+        train_model.train()
+        t_interval, wait, n_interval = time.perf_counter(), 0.0, 0
+        it = batches.epoch(epoch, start_in_epoch)
+        start_in_epoch = 0
+        while in_epoch < steps_per_epoch and step < total_steps:
+            for micro in range(accum):
+                t0 = time.perf_counter()
+                x, y = next(it)
+                wait += time.perf_counter() - t0  # host time blocked waiting for the batch
+                # all-reduce gradients only on the last micro-batch of an accumulation group
+                last = micro == accum - 1 or not hasattr(model, "no_sync")
+                with nullcontext() if last else model.no_sync():
+                    with autocast:
+                        loss = criterion(train_model(x), y) / accum
+                    scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+            if st.grad_clip:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), st.grad_clip)
+            scaler.step(opt)  # skips the step when fp16 gradients overflowed
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            step += 1
+            in_epoch += 1
+            n_interval += 1
+            loss_count += 1
+            bar.update(1)
+
+            if step % cfg.log_every_steps == 0 or step == total_steps:
+                # sync point: loss to host, per-rank timings gathered
+                now = time.perf_counter()
+                dt = now - t_interval
+                loss_value = float(loss_sum.item()) / loss_count
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {step} of stage "
+                                             f"'{st.name}'; lower the lr or use bf16/fp32")
+                per_rank = distributed.all_gather_floats(d, [dt / n_interval, wait / dt])
+                if d.is_master:
+                    per_sample = st.batch_size * accum * n_interval
+                    log.write({
+                        "kind": "train", "step": step, "epoch": epoch, "loss": loss_value,
+                        "lr": sched.get_last_lr()[0],
+                        "samples_per_s": per_sample * d.world / dt,
+                        "samples_per_s_per_rank": [per_sample / (t * n_interval)
+                                                   for t, _ in per_rank],
+                        "step_time_s": dt / n_interval,
+                        "step_time_s_per_rank": [t for t, _ in per_rank],
+                        "data_wait_fraction": wait / dt,
+                        "peak_mem_mib": peak_memory_mib(d.device),
+                        "grad_scale": scaler.get_scale() if scaler.is_enabled() else None,
+                        "warmup": first_interval, "time_s": elapsed + now - t_start})
+                    bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+                loss_sum.zero_()
+                loss_count = 0
+                first_interval = False
+                t_interval, wait, n_interval = time.perf_counter(), 0.0, 0
+                # preemption: every rank stops at the same step (one flag all-reduced)
+                if distributed.all_max(d, 1.0 if stop["signal"] else 0.0) > 0:
+                    say(f"{stop['signal'] or 'signal'} received: checkpoint at step {step}")
+                    save_checkpoint()
+                    halted = True
+                    break
+            if halt_after_steps is not None and step >= halt_after_steps:
+                save_checkpoint()
+                say(f"halted after step {step} as asked; the checkpoint resumes it")
+                halted = True
+                break
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                save_checkpoint()
+        if halted:
+            break
+
+        # ------------------------------------------------------------ end of epoch: validate
+        net = unwrap(train_model).eval()  # plain module: ranks may see different batch counts
+        totals = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, count
+        with torch.no_grad(), autocast:
+            for x, y in val_batches(val_x, val_y, 2 * st.batch_size, d.device, d.world,
+                                    d.rank, normalize):
+                logits = net(x).float()
+                totals += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
+                                       (logits.argmax(1) == y).sum().double(),
+                                       torch.tensor(float(len(y)), device=d.device).double()])
+        val_loss, correct, count = distributed.all_sum(d, totals).tolist()  # sync point
+        val_acc, val_loss = correct / max(count, 1), val_loss / max(count, 1)
+        if val_acc > best["val_acc"]:
+            best = {"val_acc": val_acc, "val_loss": val_loss, "step": step, "epoch": epoch}
+            if d.is_master:
+                checkpoint.save_file(out / "best.pt", {"model": unwrap(model).state_dict(),
+                                                       "config": cfg.to_dict(), "step": step})
+        if d.is_master:
+            log.write({"kind": "val", "step": step, "epoch": epoch, "val_loss": val_loss,
+                       "val_acc": val_acc, "time_s": elapsed + time.perf_counter() - t_start})
+            say(f"epoch {epoch}: val_acc {val_acc:.4f}, val_loss {val_loss:.4f}")
+        epoch += 1
+        in_epoch = 0
+        save_checkpoint()
+    bar.close()
+
+    # ---------------------------------------------------------------- end of the stage
+    if d.is_master:
+        log.close()
+        if not halted:
+            checkpoint.save_file(out / "final.pt", {"model": unwrap(model).state_dict(),
+                                                    "config": cfg.to_dict(), "step": step})
+            records, problems = read_records(out / "metrics.jsonl")
+            last_val = [r for r in records if r["kind"] == "val"][-1]
+            write_summary(out / "summary.json", {
+                "stage": st.name, "finished": True, "steps": step, "epochs": epoch,
+                "final_val_acc": last_val["val_acc"], "final_val_loss": last_val["val_loss"],
+                "best_val_acc": best["val_acc"], "best_val_loss": best["val_loss"],
+                "best_step": best["step"],
+                "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
+                "wall_time_s": elapsed + time.perf_counter() - t_start,
+                "mean_samples_per_s": mean_throughput(records),
+                "world_size": d.world, "device": d.device.type, "backend": d.backend,
+                "precision": precision, "strategy": st.strategy,
+                "batch_size_per_rank": st.batch_size, "grad_accum_steps": accum,
+                "global_batch": global_batch, "lr_effective": lr,
+                "loader": loader_kind, "loader_reason": loader_reason,
+                "params": param_count(unwrap(model)), "metrics_problems": problems,
+                "config": cfg.to_dict(), "config_hash": cfg.hash,
+                "stage_hash": cfg.stage_hash(st.name),
+            })
+            say(f"done: {out / 'summary.json'}")
+    distributed.teardown(d)
+    return 0
+
+
+def main(cfg: Config, stage: str, halt_after_steps: int | None = None) -> int:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return train_stage(cfg, stage, halt_after_steps)
