@@ -125,3 +125,11 @@ def all_gather_floats(d: Dist, values: list[float]) -> list[list[float]]:
     out = [torch.zeros_like(t) for _ in range(d.world)]
     dist.all_gather(out, t)
     return [o.tolist() for o in out]
+
+
+def broadcast_buffers(d: Dist, module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm running stats) to every rank. DDP does this at the start
+    of each forward, so after the last training step they differ until this runs."""
+    if d.backend:
+        for b in module.buffers():
+            dist.broadcast(b, src=0)

@@ -13,6 +13,7 @@ precision, resume, the loop, the end of the stage.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import resource
@@ -72,6 +73,20 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def weights_sha256(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _trace_file(rank: int):
+    # DDPFLOW_SAMPLE_TRACE=<folder>: each rank lists the sample indices it trained on
+    folder = os.environ.get("DDPFLOW_SAMPLE_TRACE")
+    return open(Path(folder) / f"rank{rank}.txt", "a", buffering=1) if folder else None
+
+
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
     """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
     st = cfg.stage(stage_name)
@@ -109,7 +124,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     batches = TrainBatches(
         loader_kind, train_x, train_y, st.batch_size, d.device, d.world, d.rank, cfg.seed,
         cfg.data.augment, normalize, cfg.data.num_workers, cfg.data.pin_memory,
-        cfg.data.persistent_workers, cfg.data.prefetch_factor)
+        cfg.data.persistent_workers, cfg.data.prefetch_factor, trace=_trace_file(d.rank))
     accum = st.grad_accum_steps
     steps_per_epoch = len(batches) // accum  # optimizer steps; a trailing partial group is dropped
     if steps_per_epoch == 0:
@@ -284,6 +299,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
 
         # ------------------------------------------------------------ end of epoch: validate
         net = unwrap(train_model).eval()  # plain module: ranks may see different batch counts
+        distributed.broadcast_buffers(d, net)  # validate every rank with rank 0's BN statistics
         totals = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, count
         with torch.no_grad(), autocast:
             for x, y in val_batches(val_x, val_y, 2 * st.batch_size, d.device, d.world,
@@ -307,6 +323,8 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         in_epoch = 0
         save_checkpoint()
     bar.close()
+    # every rank's weights, hashed and gathered: DDP must have kept them identical
+    weight_hashes = distributed.gather_objects(d, weights_sha256(unwrap(model)))
 
     # ---------------------------------------------------------------- end of the stage
     if d.is_master:
@@ -330,6 +348,8 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "global_batch": global_batch, "lr_effective": lr,
                 "loader": loader_kind, "loader_reason": loader_reason,
                 "params": param_count(unwrap(model)), "metrics_problems": problems,
+                "rank_weight_sha256": weight_hashes,
+                "weights_in_sync": len(set(weight_hashes)) == 1,
                 "config": cfg.to_dict(), "config_hash": cfg.hash,
                 "stage_hash": cfg.stage_hash(st.name),
             })

@@ -89,7 +89,8 @@ class _Memmap(Dataset):
         return self.__getitems__([i])
 
     def __getitems__(self, idx):
-        return torch.from_numpy(self.images[idx]), torch.from_numpy(self.labels[idx]).long()
+        images = torch.from_numpy(self.images[idx])
+        return images, torch.from_numpy(self.labels[idx]).long(), torch.as_tensor(idx)
 
 
 def _as_is(batch):
@@ -101,7 +102,8 @@ class TrainBatches:
 
     def __init__(self, kind, images, labels, batch_size, device, world, rank, seed, aug,
                  normalize, num_workers=0, pin_memory=False, persistent_workers=False,
-                 prefetch_factor=2):
+                 prefetch_factor=2, trace=None):
+        self.trace = trace  # optional text file: "epoch step idx..." per batch (an audit)
         self.kind, self.batch_size, self.device = kind, batch_size, device
         self.rank, self.seed, self.aug, self.normalize = rank, seed, aug, normalize
         self.sampler = EpochSampler(len(labels), world, rank, seed)
@@ -127,11 +129,13 @@ class TrainBatches:
             order = torch.tensor(list(iter(self.sampler)), device=self.device)
             batches = (order[i * self.batch_size:(i + 1) * self.batch_size]
                        for i in range(self.steps_per_epoch - start_step))
-            pairs = ((self.images[idx], self.labels[idx]) for idx in batches)
+            triples = ((self.images[idx], self.labels[idx], idx) for idx in batches)
         else:
-            pairs = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                     for x, y in self.loader)
-        for step, (x, y) in enumerate(pairs, start=start_step):
+            triples = ((x.to(self.device, non_blocking=True),
+                        y.to(self.device, non_blocking=True), idx) for x, y, idx in self.loader)
+        for step, (x, y, idx) in enumerate(triples, start=start_step):
+            if self.trace:
+                self.trace.write(f"{epoch} {step} {' '.join(map(str, idx.tolist()))}\n")
             g = step_generator(self.device, self.seed, epoch, step, self.rank)
             yield self.normalize(augment(x, self.aug, g)), y
 

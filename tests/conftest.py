@@ -1,0 +1,56 @@
+"""Shared helpers: tiny configs and the real `ddpflow` command in a subprocess."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "run": "t",
+    "seed": 0,
+    "log_every_steps": 4,
+    "data": {"source": "synthetic", "train_size": 1024, "val_size": 256, "image_size": 16},
+    "hardware": {"nproc_per_node": 2, "threads_per_rank": 1},
+    "checkpoint": {"every_steps": 8, "keep_last": 3},
+    "stages": [{"name": "s1", "epochs": 2, "batch_size": 32, "lr": 0.05}],
+}
+
+
+def tiny_config(tmp_path: Path, **top) -> dict:
+    cfg = copy.deepcopy(TINY)
+    cfg["results_dir"] = str(tmp_path / "results")
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k].update(v)
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def write_config(tmp_path: Path, cfg: dict, name: str = "config.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return p
+
+
+def ddpflow(*args, cwd=None, env=None, check=False, timeout=600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "ddpflow", *map(str, args)], cwd=cwd or REPO,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ddpflow {' '.join(map(str, args))} failed ({proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def run_ddpflow():
+    return ddpflow

@@ -1,0 +1,143 @@
+"""The engine for real: torchrun with 2 gloo ranks on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ddpflow, tiny_config, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def prepare(tmp_path, cfg) -> Path:
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    return p
+
+
+def stage_dir(tmp_path, stage, run="t") -> Path:
+    return tmp_path / "results" / run / "stages" / stage
+
+
+def summary(tmp_path, stage, run="t") -> dict:
+    return json.loads((stage_dir(tmp_path, stage, run) / "summary.json").read_text())
+
+
+def records(tmp_path, stage, run="t") -> list[dict]:
+    lines = (stage_dir(tmp_path, stage, run) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+def weights(path: Path) -> dict:
+    return torch.load(path, weights_only=True)["model"]
+
+
+def test_two_ranks_train_in_sync_on_disjoint_halves(tmp_path):
+    cfg = tiny_config(tmp_path, stages=[{"name": "s1", "epochs": 3, "batch_size": 32,
+                                         "lr": 0.1}])
+    p = prepare(tmp_path, cfg)
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True,
+            env={"DDPFLOW_SAMPLE_TRACE": str(trace)})
+    s = summary(tmp_path, "s1")
+    assert s["world_size"] == 2 and s["backend"] == "gloo" and s["precision"] == "bf16"
+    assert s["global_batch"] == 64 and s["steps"] == 3 * (512 // 32)
+    # the weights of both ranks, hashed on each rank at the end, are identical
+    assert len(s["rank_weight_sha256"]) == 2 and s["weights_in_sync"] is True
+    # each rank saw a disjoint half of every epoch
+    seen = {}
+    for rank in (0, 1):
+        for line in (trace / f"rank{rank}.txt").read_text().splitlines():
+            epoch, _step, *idx = map(int, line.split())
+            seen.setdefault((epoch, rank), []).extend(idx)
+    for epoch in range(3):
+        a, b = seen[(epoch, 0)], seen[(epoch, 1)]
+        assert len(a) == len(b) == 512 and len(set(a)) == 512
+        assert not set(a) & set(b)
+        assert set(a) | set(b) == set(range(1024))
+    assert seen[(0, 0)] != seen[(1, 0)], "epochs must be reshuffled (set_epoch)"
+    # learns the synthetic set
+    assert s["final_val_acc"] >= 0.9, s["final_val_acc"]
+    recs = records(tmp_path, "s1")
+    train = [r for r in recs if r["kind"] == "train"]
+    assert train and all(len(r["samples_per_s_per_rank"]) == 2 for r in train)
+    assert all(0 <= r["data_wait_fraction"] <= 1 for r in train)
+    assert [r["epoch"] for r in recs if r["kind"] == "val"] == [0, 1, 2]
+    assert s["config"]["stages"][0]["lr"] == 0.1 and s["mean_samples_per_s"] > 0
+    ck = torch.load(stage_dir(tmp_path, "s1") / "final.pt", weights_only=True)
+    assert ck["config"]["run"] == "t"
+
+
+def test_two_stages_chain(tmp_path):
+    cfg = tiny_config(tmp_path, stages=[
+        {"name": "s1", "epochs": 1, "batch_size": 32, "lr": 0.1},
+        # a step with a negligible lr and no decay/momentum: weights stay where s1 left them
+        {"name": "s2", "max_steps": 1, "batch_size": 32, "lr": 1e-12, "weight_decay": 0,
+         "momentum": 0, "init_from": "previous"}])
+    p = prepare(tmp_path, cfg)
+    proc = ddpflow("launch", "--config", p, "--stage", "s2")
+    assert proc.returncode != 0 and "has not finished" in proc.stderr
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    proc = ddpflow("launch", "--config", p, "--stage", "s2", check=True)
+    assert "initialised from" in proc.stderr
+    w1 = weights(stage_dir(tmp_path, "s1") / "final.pt")
+    w2 = weights(stage_dir(tmp_path, "s2") / "final.pt")
+    params = [k for k in w1 if "running" not in k and "num_batches" not in k]
+    for k in params:
+        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-9)
+    assert summary(tmp_path, "s2")["final_val_acc"] > 0.5  # far above chance (0.1)
+
+
+def test_exact_resume_is_bit_identical(tmp_path):
+    stage = {"name": "s1", "max_steps": 24, "batch_size": 32, "lr": 0.05, "warmup_epochs": 0.5}
+    base = dict(deterministic=True, stages=[stage], checkpoint={"every_steps": 0})
+    straight = tmp_path / "straight"
+    resumed = tmp_path / "resumed"
+    for d in (straight, resumed):
+        d.mkdir()
+        prepare(d, tiny_config(d, **base))
+    ddpflow("launch", "--config", straight / "config.yaml", "--stage", "s1", check=True)
+    # stop mid-epoch (16 steps per epoch) and mid-log-interval (4), then resume
+    proc = ddpflow("launch", "--config", resumed / "config.yaml", "--stage", "s1",
+                   "--halt-after-steps", "10")
+    assert proc.returncode == 75 and "run the same command again" in proc.stderr
+    assert not (stage_dir(resumed, "s1") / "final.pt").exists()
+    proc = ddpflow("launch", "--config", resumed / "config.yaml", "--stage", "s1", check=True)
+    assert "resumed from ckpt-000000010.pt" in proc.stderr
+    a = weights(stage_dir(straight, "s1") / "final.pt")
+    b = weights(stage_dir(resumed, "s1") / "final.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ra, rb = records(straight, "s1"), records(resumed, "s1")
+    key = ("kind", "step", "epoch", "loss", "lr", "val_loss", "val_acc")
+    assert [{k: r.get(k) for k in key} for r in ra] == [{k: r.get(k) for k in key} for r in rb]
+    assert summary(straight, "s1")["final_val_acc"] == summary(resumed, "s1")["final_val_acc"]
+
+
+def test_fp16_gradscaler_and_grad_accumulation_on_one_rank(tmp_path):
+    cfg = tiny_config(tmp_path, hardware={"nproc_per_node": 1}, stages=[
+        {"name": "s1", "max_steps": 8, "batch_size": 32, "lr": 0.05, "precision": "fp16",
+         "grad_accum_steps": 2, "lr_scaling": "linear", "lr_reference_batch": 32}])
+    p = prepare(tmp_path, cfg)
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    s = summary(tmp_path, "s1")
+    assert s["precision"] == "fp16" and s["global_batch"] == 64 and s["world_size"] == 1
+    assert s["lr_effective"] == pytest.approx(0.1)
+    train = [r for r in records(tmp_path, "s1") if r["kind"] == "train"]
+    assert all(r["grad_scale"] and r["grad_scale"] > 0 for r in train)
+
+
+def test_dataparallel_baseline_and_fp32(tmp_path):
+    cfg = tiny_config(tmp_path, stages=[
+        {"name": "s1", "max_steps": 4, "batch_size": 32, "strategy": "dp", "precision": "fp32",
+         "channels_last": True}])
+    p = prepare(tmp_path, cfg)
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    s = summary(tmp_path, "s1")
+    assert s["strategy"] == "dp" and s["world_size"] == 1 and s["precision"] == "fp32"
