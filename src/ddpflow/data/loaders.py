@@ -44,36 +44,51 @@ def step_generator(device: torch.device, seed: int, epoch: int, step: int, rank:
 
 
 def augment(x: torch.Tensor, aug: Augment, g: torch.Generator) -> torch.Tensor:
-    """Random crop with zero padding (+ translate) and horizontal flip on uint8 NHWC."""
-    b, h, w, _ = x.shape
+    """Random crop with zero padding (+ translate) and horizontal flip of uint8 NHWC images.
+
+    Both are one gather: each output pixel's flat source index is computed from the
+    sample's shift and flip, so the batch is read once (no per-sample Python, no where()).
+    """
+    b, h, w, c = x.shape
     pad = aug.crop_padding + aug.translate
+    if pad == 0 and not aug.flip:
+        return x
     if pad > 0:
-        xp = F.pad(x, (0, 0, pad, pad, pad, pad))
-        dy = torch.randint(0, 2 * pad + 1, (b,), device=x.device, generator=g)
-        dx = torch.randint(0, 2 * pad + 1, (b,), device=x.device, generator=g)
-        rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]
-        cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]
-        x = xp[torch.arange(b, device=x.device)[:, None, None], rows, cols]
+        x = F.pad(x, (0, 0, pad, pad, pad, pad))
+    hp, wp = h + 2 * pad, w + 2 * pad
+    dev = x.device
+    dy = torch.randint(0, 2 * pad + 1, (b, 1, 1), device=dev, generator=g)
+    dx = torch.randint(0, 2 * pad + 1, (b, 1, 1), device=dev, generator=g)
+    cols = torch.arange(w, device=dev).view(1, 1, w).expand(b, 1, w)
     if aug.flip:
-        flip = torch.rand(b, device=x.device, generator=g) < 0.5
-        x = torch.where(flip[:, None, None, None], x.flip(2), x)
-    return x
+        flip = torch.rand(b, 1, 1, device=dev, generator=g) < 0.5
+        cols = torch.where(flip, w - 1 - cols, cols)
+    rows = torch.arange(h, device=dev).view(1, h, 1)
+    base = torch.arange(b, device=dev).view(b, 1, 1) * (hp * wp)
+    src = base + (dy + rows) * wp + dx + cols  # [b, h, w] flat pixel index into x
+    return x.reshape(b * hp * wp, c).index_select(0, src.reshape(-1)).view(b, h, w, c)
 
 
 class Normalize:
     """uint8 NHWC -> float NCHW, (x/255 - mean) / std, optionally 3 channels and channels_last."""
 
     def __init__(self, mean, std, device, want_channels: int, channels_last: bool):
-        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255.0
-        self.inv_std = 1.0 / (torch.tensor(std, device=device).view(1, -1, 1, 1) * 255.0)
+        scale = 1.0 / (torch.tensor(std, device=device) * 255.0)
+        self.scale = scale.view(1, -1, 1, 1)
+        self.shift = (-torch.tensor(mean, device=device) * 255.0 * scale).view(1, -1, 1, 1)
         self.want_channels = want_channels
-        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.channels_last = channels_last
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = (x.permute(0, 3, 1, 2).float() - self.mean) * self.inv_std
+        x = x.permute(0, 3, 1, 2)  # NHWC storage viewed as NCHW: already channels_last
+        if not self.channels_last:
+            x = x.contiguous()  # the layout change on 1-byte pixels, before widening to float
+        x = torch.addcmul(self.shift, x.float(), self.scale)  # (x - mean)/std in one pass
         if x.shape[1] != self.want_channels:
-            x = x.expand(-1, self.want_channels, -1, -1)
-        return x.contiguous(memory_format=self.fmt)
+            x = x.expand(-1, self.want_channels, -1, -1).contiguous(
+                memory_format=torch.channels_last if self.channels_last
+                else torch.contiguous_format)
+        return x
 
 
 class _Memmap(Dataset):

@@ -1,0 +1,257 @@
+"""Data sources in their real formats, the prepared format, and both loaders."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ddpflow, tiny_config, write_config
+from ddpflow.config import from_dict
+from ddpflow.data import prepared
+from ddpflow.data.imagefolder import stratified_split
+from ddpflow.data.loaders import Normalize, TrainBatches
+from ddpflow.data.prepare import prepare
+from fixtures import cifar_archive, idx_files, image_tree
+
+
+def cfg_for(tmp_path, **data):
+    raw = tiny_config(tmp_path)
+    raw["data"] = {"image_size": 32, "train_size": None, "val_size": None, **data}
+    return raw
+
+
+def prepare_ok(tmp_path, raw):
+    proc = ddpflow("prepare", "--config", write_config(tmp_path, raw), check=True)
+    meta = json.loads((tmp_path / "results/t/data/meta.json").read_text())
+    return proc, meta
+
+
+def prepare_fails(tmp_path, raw, *needles):
+    proc = ddpflow("prepare", "--config", write_config(tmp_path, raw))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in proc.stderr, proc.stderr
+    data = tmp_path / "results/t/data"
+    assert not data.exists() or prepared.read_meta(data) is None
+    assert not (tmp_path / "results/t/data.partial").exists()
+    return proc
+
+
+def test_synthetic_is_deterministic_and_rerun_is_noop(tmp_path):
+    raw = tiny_config(tmp_path)
+    proc, meta = prepare_ok(tmp_path, raw)
+    assert "prepared synthetic" in proc.stdout and "images/s" in proc.stdout
+    assert meta["format_version"] == 1 and meta["counts"]["train"]["total"] == 1024
+    assert len(meta["mean"]) == 3 and set(meta["sha256"]) >= {"train_images.npy"}
+    proc2, meta2 = prepare_ok(tmp_path, raw)
+    assert "up to date" in proc2.stdout and meta2 == meta
+    other = tmp_path / "other"
+    other.mkdir()
+    _, meta3 = prepare_ok(other, tiny_config(other))
+    assert meta3["sha256"] == meta["sha256"]  # same seed, same bytes
+
+
+def test_cifar10_archive_and_checksums(tmp_path):
+    arc = cifar_archive(tmp_path / "cifar-10-python.tar.gz")
+    # the fixture is not the official release: the MD5 check must refuse it
+    prepare_fails(tmp_path, cfg_for(tmp_path, source="cifar10", path=str(arc)),
+                  "official MD5", "verify_checksum: false")
+    proc, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="cifar10", path=str(arc),
+                                              verify_checksum=False))
+    assert meta["counts"]["train"]["total"] == 1000 and meta["counts"]["val"]["total"] == 200
+    assert meta["classes"][3] == "class3" and meta["image_shape"] == [32, 32, 3]
+    assert all("not checked" in v for v in meta["checksums"].values())
+    x = np.load(tmp_path / "results/t/data/train_images.npy", mmap_mode="r")
+    assert x.dtype == np.uint8 and x.shape == (1000, 32, 32, 3)
+
+
+def test_cifar100_extracted_folder(tmp_path):
+    import tarfile
+
+    arc = cifar_archive(tmp_path / "c100.tar.gz", n_per_batch=40, cifar100=True, classes=20)
+    with tarfile.open(arc) as t:
+        t.extractall(tmp_path / "extracted")
+    _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="cifar100",
+                                           path=str(tmp_path / "extracted"),
+                                           verify_checksum=False))
+    assert meta["num_classes"] == 20 and meta["counts"]["train"]["total"] == 200
+
+
+def test_truncated_archive(tmp_path):
+    arc = cifar_archive(tmp_path / "c.tar.gz")
+    blob = arc.read_bytes()
+    arc.write_bytes(blob[: len(blob) // 2])
+    prepare_fails(tmp_path, cfg_for(tmp_path, source="cifar10", path=str(arc),
+                                    verify_checksum=False), "truncated or corrupt")
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_mnist_idx(tmp_path, gz):
+    folder = idx_files(tmp_path / "mnist", gz=gz)
+    _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="mnist", path=str(folder),
+                                           image_size=28, verify_checksum=False))
+    assert meta["image_shape"] == [28, 28, 1] and meta["counts"]["val"]["total"] == 100
+    assert meta["counts"]["train"]["per_class"] == [30] * 10
+
+
+def test_fashion_mnist_resized_and_bad_labels(tmp_path):
+    folder = idx_files(tmp_path / "f")
+    _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="fashion_mnist", path=str(folder),
+                                           image_size=32, verify_checksum=False))
+    assert meta["image_shape"] == [32, 32, 1] and meta["classes"][0] == "T-shirt/top"
+    bad = idx_files(tmp_path / "bad", bad_label=True)
+    other = tmp_path / "o"
+    other.mkdir()
+    prepare_fails(other, cfg_for(other, source="mnist", path=str(bad), verify_checksum=False),
+                  "labels out of range")
+
+
+def test_truncated_idx(tmp_path):
+    folder = idx_files(tmp_path / "m", gz=False)
+    f = folder / "train-images-idx3-ubyte"
+    f.write_bytes(f.read_bytes()[:5000])
+    prepare_fails(tmp_path, cfg_for(tmp_path, source="mnist", path=str(folder),
+                                    verify_checksum=False), "truncated")
+
+
+def test_imagefolder_modes_broken_files_and_split(tmp_path):
+    root = image_tree(tmp_path / "imgs", broken=2)
+    proc, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="imagefolder", path=str(root),
+                                              image_size=24, max_bad_fraction=0.1,
+                                              val_fraction=0.25))
+    assert meta["classes"] == ["cat", "dog", "fish"]
+    assert len(meta["skipped"]) == 2 and "broken" in proc.stdout
+    assert meta["counts"]["val"]["per_class"] == [3, 3, 3]  # 12 per class (+ broken) x 0.25
+    assert meta["image_shape"] == [24, 24, 3]
+    x = np.load(tmp_path / "results/t/data/train_images.npy")
+    y = np.load(tmp_path / "results/t/data/train_labels.npy")
+    # class colour survives decoding from PNG/JPEG/WebP, grey, RGBA and CMYK files
+    for c in range(3):
+        assert x[y == c][..., c].mean() > x[y == c][..., (c + 1) % 3].mean() + 50
+
+
+def test_imagefolder_too_many_bad_files_and_grayscale(tmp_path):
+    root = image_tree(tmp_path / "imgs", per_class=4, broken=3)
+    prepare_fails(tmp_path, cfg_for(tmp_path, source="imagefolder", path=str(root),
+                                    max_bad_fraction=0.01), "could not be read")
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    _, meta = prepare_ok(ok, cfg_for(ok, source="imagefolder", path=str(root), grayscale=True,
+                                     max_bad_fraction=0.5, prepare_workers=1))
+    assert meta["image_shape"] == [32, 32, 1]
+
+
+def test_imagefolder_explicit_val_folder(tmp_path):
+    image_tree(tmp_path / "ds/train", per_class=6)
+    image_tree(tmp_path / "ds/val", per_class=2)
+    _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="imagefolder",
+                                           path=str(tmp_path / "ds")))
+    assert meta["counts"]["val"]["per_class"] == [2, 2, 2] and "explicit" in meta["split"]
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.mkdir(), "no class folders"),
+    (lambda p: (p / "a").mkdir(parents=True), "has no images"),
+])
+def test_imagefolder_bad_paths(tmp_path, make, needle):
+    make(tmp_path / "imgs")
+    prepare_fails(tmp_path, cfg_for(tmp_path, source="imagefolder",
+                                    path=str(tmp_path / "imgs")), needle)
+
+
+def test_missing_cifar_path(tmp_path):
+    prepare_fails(tmp_path, cfg_for(tmp_path, source="cifar10", path=str(tmp_path / "nope")),
+                  "does not exist")
+
+
+def test_stratified_split_is_reproducible():
+    labels = np.repeat(np.arange(4), [10, 20, 30, 40])
+    a = stratified_split(labels, 0.1, seed=7)
+    b = stratified_split(labels, 0.1, seed=7)
+    c = stratified_split(labels, 0.1, seed=8)
+    assert all(np.array_equal(u, v) for u, v in zip(a, b))
+    assert not np.array_equal(a[1], c[1])
+    assert np.bincount(labels[a[1]]).tolist() == [1, 2, 3, 4]
+    assert not set(a[0]) & set(a[1]) and len(a[0]) + len(a[1]) == 100
+
+
+def _batches(meta, arrays, kind, rank, workers=0):
+    cfg = from_dict({"stages": [{"name": "s"}]})
+    norm = Normalize(meta["mean"], meta["std"], torch.device("cpu"), 3, False)
+    trace = io.StringIO()
+    tb = TrainBatches(kind, *arrays["train"], 32, torch.device("cpu"), 2, rank, 0,
+                      cfg.data.augment, norm, num_workers=workers, trace=trace)
+    out = [(x.clone(), y.clone()) for x, y in tb.epoch(1)]
+    idx = [int(i) for line in trace.getvalue().splitlines() for i in line.split()[2:]]
+    resumed = [(x, y) for x, y in tb.epoch(1, start_step=3)]
+    return out, idx, resumed
+
+
+def test_both_loaders_same_batches_disjoint_ranks(tmp_path):
+    cfg = from_dict(tiny_config(tmp_path))
+    prepare(cfg)
+    meta, arrays = prepared.load(cfg.data_dir)
+    dev0, idx0, res0 = _batches(meta, arrays, "device", 0)
+    dev1, idx1, _ = _batches(meta, arrays, "device", 1)
+    dl0, idx_dl, res_dl = _batches(meta, arrays, "dataloader", 0, workers=2)
+    assert not set(idx0) & set(idx1) and len(idx0) == len(idx1) == 512
+    assert idx_dl == idx0
+    assert len(dev0) == len(dl0) == 16
+    for (xa, ya), (xb, yb) in zip(dev0, dl0):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # a resumed epoch continues with exactly the batches not yet seen
+    assert len(res0) == 13
+    for (xa, ya), (xb, yb) in zip(dev0[3:], res0):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(res0, res_dl))
+
+
+@pytest.mark.slow
+def test_training_through_cifar_files_end_to_end(tmp_path):
+    arc = cifar_archive(tmp_path / "cifar-10-python.tar.gz", n_per_batch=300, n_test=300)
+    raw = cfg_for(tmp_path, source="cifar10", path=str(arc), verify_checksum=False,
+                  loader="dataloader", num_workers=1)
+    raw["stages"] = [{"name": "s1", "epochs": 3, "batch_size": 50, "lr": 0.1}]
+    p = write_config(tmp_path, raw)
+    ddpflow("prepare", "--config", p, check=True)
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    s = json.loads((tmp_path / "results/t/stages/s1/summary.json").read_text())
+    assert s["loader"] == "dataloader" and s["world_size"] == 2
+    assert s["final_val_acc"] >= 0.8, s["final_val_acc"]
+
+
+def test_augment_is_a_crop_of_the_padded_image_or_its_mirror():
+    from ddpflow.config import Augment
+    from ddpflow.data.loaders import augment, step_generator
+
+    x = torch.randint(0, 256, (16, 8, 8, 3), dtype=torch.uint8)
+    out = augment(x, Augment(crop_padding=2, flip=True, translate=0),
+                  step_generator(torch.device("cpu"), 0, 0, 0, 0))
+    padded = torch.nn.functional.pad(x, (0, 0, 2, 2, 2, 2))
+    flips = 0
+    for i in range(16):
+        crops = {(dy, dx, f): padded[i, dy:dy + 8, dx:dx + 8] for dy in range(5)
+                 for dx in range(5) for f in (0, 1)}
+        matches = [k for k, v in crops.items() if torch.equal(out[i], v.flip(1) if k[2] else v)]
+        assert matches, f"sample {i} is not a crop of its padded image"
+        flips += all(k[2] for k in matches)
+    assert 0 < flips < 16  # some flipped, some not
+
+
+def test_normalize_matches_the_formula_and_layout():
+    x = torch.randint(0, 256, (4, 6, 6, 3), dtype=torch.uint8)
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    ref = (x.permute(0, 3, 1, 2).float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / \
+        torch.tensor(std).view(1, 3, 1, 1)
+    for cl in (False, True):
+        y = Normalize(mean, std, torch.device("cpu"), 3, cl)(x)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        fmt = torch.channels_last if cl else torch.contiguous_format
+        assert y.is_contiguous(memory_format=fmt)
+    grey = Normalize([0.5], [0.2], torch.device("cpu"), 3, False)(x[..., :1])
+    assert grey.shape == (4, 3, 6, 6) and torch.equal(grey[:, 0], grey[:, 2])
