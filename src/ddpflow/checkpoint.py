@@ -71,17 +71,21 @@ def save(folder: Path, step: int, state: dict, keep_last: int) -> Path:
     return path
 
 
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
 def verify(path: Path) -> str | None:
     """None if the file matches its recorded SHA-256, else the reason it does not."""
     side = Path(str(path) + ".sha256")
     if not side.is_file():
         return "no checksum file (the write did not finish)"
     expected = side.read_text().split()[0] if side.read_text().strip() else ""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    if h.hexdigest() != expected:
+    if sha256_of(path) != expected:
         return "checksum mismatch (truncated or corrupt)"
     return None
 
@@ -90,8 +94,9 @@ def load(path: Path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def latest_valid(folder: Path, stage_hash: str, warn=print) -> tuple[Path, dict] | None:
-    """The newest checkpoint that verifies and belongs to this stage's config, loaded."""
+def latest_valid(folder: Path, resume_key: str, warn=print) -> tuple[Path, dict] | None:
+    """The newest checkpoint that verifies and was written by this very stage (same config,
+    code and starting weights: its resume_key), loaded."""
     for _, path in reversed(list_checkpoints(folder)):
         problem = verify(path)
         if problem is None:
@@ -100,8 +105,21 @@ def latest_valid(folder: Path, stage_hash: str, warn=print) -> tuple[Path, dict]
             except Exception as e:  # noqa: BLE001 - an unreadable file is skipped, not fatal
                 problem = f"cannot be loaded ({type(e).__name__})"
             else:
-                if state.get("stage_hash") == stage_hash:
+                if state.get("resume_key") == resume_key:
                     return path, state
-                problem = "written for a different config of this stage"
+                problem = "written with another config, code or starting weights"
         warn(f"ddpflow: warning: skipping checkpoint {path.name}: {problem}", file=sys.stderr)
     return None
+
+
+def set_aside(folder: Path) -> None:
+    """Move checkpoints of an earlier, different run of this stage to <folder>.old."""
+    folder = Path(folder)
+    if list_checkpoints(folder):
+        old = folder.with_name(folder.name + ".old")
+        if old.exists():
+            import shutil
+
+            shutil.rmtree(old)
+        os.replace(folder, old)
+        print(f"ddpflow: checkpoints of an earlier run moved to {old}", file=sys.stderr)

@@ -4,6 +4,7 @@
     ddpflow prepare  --config config/config.yaml
     ddpflow launch   --config config/config.yaml --stage warmup
     ddpflow run      --config config/config.yaml        # prepare + every stage, in order
+    ddpflow image    --config config/config.yaml        # build the container image
     ddpflow train    --resolved <stage>/config.json --stage S   (what each torchrun rank runs)
 """
 
@@ -48,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="prepare the data and run every stage in order")
     _config_args(p)
 
+    p = sub.add_parser("image", help="build the container image; write image.json")
+    _config_args(p)
+    p.add_argument("--context", default=".", help="folder with the Dockerfile")
+    p.add_argument("--out", default=None, help="record (default <run>/image.json)")
+
+    p = sub.add_parser("collect", help="summaries, checkpoints, plots and report of a run")
+    _config_args(p)
+
     p = sub.add_parser("train", help="one rank's training (started by torchrun)")
     p.add_argument("--resolved", required=True, help="resolved config JSON written by launch")
     p.add_argument("--stage", required=True)
@@ -83,6 +92,23 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "prepare":
         _prepare(cfg, args.force, args.verify)
+        return 0
+    if args.command == "collect":
+        from .collect import collect
+
+        summary = collect(cfg)
+        print((cfg.run_dir / "summary" / "headline.txt").read_text(), end="")
+        return 0
+    if args.command == "image":
+        from pathlib import Path
+
+        from .container import build
+
+        out = Path(args.out) if args.out else cfg.run_dir / "image.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        rec = build(cfg, Path(args.context), out)
+        print(f"ddpflow: image record {out}: engine {rec['engine']}, "
+              f"id {str(rec.get('image_id'))[:19]}")
         return 0
     from .launch import launch
 

@@ -87,6 +87,20 @@ class ContainerCfg:
 
 
 @dataclass(frozen=True)
+class SlurmCfg:
+    gpus: int  # GPUs per training job (Snakemake resource gpu=); 0 = a CPU-only job
+    gpu_model: str | None
+    cpus_per_gpu: int
+    cpus: int  # CPUs of a CPU-only job (gpus: 0)
+    mem_mb: int  # MiB of host memory per training job
+    runtime_min: int  # minutes of wall time per job
+    partition: str | None
+    account: str | None
+    signal_before_end_s: int  # seconds before the time limit that SIGUSR1 arrives
+    extra: str  # more sbatch options
+
+
+@dataclass(frozen=True)
 class StageCfg:
     name: str
     epochs: int
@@ -123,6 +137,7 @@ class Config:
     hardware: HardwareCfg
     checkpoint: CheckpointCfg
     container: ContainerCfg
+    slurm: SlurmCfg
     stages: tuple[StageCfg, ...] = field(default_factory=tuple)
 
     # ---- derived places
@@ -173,6 +188,16 @@ def _plain(x: Any) -> Any:
 def config_hash(d: dict[str, Any]) -> str:
     blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def code_fingerprint(subdir: str = "") -> str:
+    """Hash of the package's own source (or one subpackage): a code change is a new run."""
+    root = Path(__file__).resolve().parent / subdir
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- validation
@@ -255,6 +280,7 @@ def _build(d: dict[str, Any]) -> Config:
         deterministic=d["deterministic"], log_every_steps=d["log_every_steps"],
         data=DataCfg(**data), model=ModelCfg(**d["model"]), hardware=HardwareCfg(**hw),
         checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
+        slurm=SlurmCfg(**d["slurm"]),
         stages=tuple(StageCfg(**s) for s in d["stages"]),
     )
 

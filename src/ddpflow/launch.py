@@ -107,21 +107,7 @@ def _ignore_usr1() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = ()) -> int:
-    st = cfg.stage(stage)
-    n, device, _ = resolve_ranks(cfg)
-    out = cfg.stage_dir(st.name)
-    resolved = out / "config.json"
-    cmd, env = plan(cfg, stage, resolved, list(extra_args))
-    shown = " ".join(f"{k}={v}" for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES")
-    print(f"ddpflow: stage '{stage}': {n} rank(s) on {device}", file=sys.stderr)
-    print(f"ddpflow: {shown + ' ' if shown else ''}{' '.join(cmd)}", file=sys.stderr)
-    if dry_run:
-        return 0
-    preflight(cfg, stage)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(resolved, cfg.to_dict())
-    write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
+def _torchrun(cmd: list, env: dict) -> int:
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_ignore_usr1)
 
     def forward(signum, _frame):  # preemption: torchrun relays SIGTERM to every rank
@@ -129,21 +115,50 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
 
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
-    rc = proc.wait()
+    return proc.wait()
+
+
+def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = ()) -> int:
+    from . import container
+
+    st = cfg.stage(stage)
+    out = cfg.stage_dir(st.name)
+    resolved = out / "config.json"
+    in_image = cfg.container.engine != "none" and not os.environ.get(container.IN_CONTAINER)
+    if in_image:
+        print(f"ddpflow: stage '{stage}' runs in the {cfg.container.engine} image "
+              f"{cfg.container.image}", file=sys.stderr)
+    else:
+        n, device, _ = resolve_ranks(cfg)
+        cmd, env = plan(cfg, stage, resolved, list(extra_args))
+        shown = " ".join(f"{k}={v}" for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES")
+        print(f"ddpflow: stage '{stage}': {n} rank(s) on {device}", file=sys.stderr)
+        print(f"ddpflow: {shown + ' ' if shown else ''}{' '.join(cmd)}", file=sys.stderr)
+    if dry_run:
+        return 0
+    preflight(cfg, stage)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(resolved, cfg.to_dict())
+    if in_image:
+        rc = container.run_stage(cfg, resolved, stage, list(extra_args))
+    else:
+        write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
+        rc = _torchrun(cmd, env)
     summary = read_summary(out / "summary.json")
     if rc == 0 and summary:
         print(f"ddpflow: stage '{stage}' finished: val_acc {summary['final_val_acc']:.4f} "
               f"(best {summary['best_val_acc']:.4f}), {summary['steps']} steps, "
               f"{summary['wall_time_s']:.1f} s -> {out / 'summary.json'}", file=sys.stderr)
         return 0
-    if rc == 0:
-        print(f"ddpflow: stage '{stage}' stopped at a checkpoint before its end (preempted); "
-              f"run the same command again to resume from {out / 'checkpoints'}", file=sys.stderr)
+    if rc in (0, EXIT_STOPPED):
+        if not in_image:
+            print(f"ddpflow: stage '{stage}' stopped at a checkpoint before its end "
+                  f"(preempted); run the same command again to resume from "
+                  f"{out / 'checkpoints'}", file=sys.stderr)
         return EXIT_STOPPED
-    print(f"ddpflow: error: stage '{stage}' failed: torchrun exited with {rc} after up to "
-          f"{cfg.hardware.max_restarts} restart(s); completed checkpoints are kept in "
-          f"{out / 'checkpoints'} and a rerun resumes from the newest valid one",
-          file=sys.stderr)
+    if not in_image:
+        print(f"ddpflow: error: stage '{stage}' failed: torchrun exited with {rc} after up to "
+              f"{cfg.hardware.max_restarts} restart(s); completed checkpoints are kept in "
+              f"{out / 'checkpoints'} and a rerun resumes from the newest valid one",
+              file=sys.stderr)
     return rc if rc > 0 else 1
-
-

@@ -29,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from . import checkpoint, distributed
-from .config import Config
+from .config import Config, code_fingerprint, config_hash
 from .data import prepared
 from .data.loaders import Normalize, TrainBatches, choose_loader, val_batches
 from .errors import UserError
@@ -179,7 +179,10 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     step, epoch, start_in_epoch, elapsed = 0, 0, 0, 0.0
     best = {"val_acc": -1.0, "val_loss": None, "step": None, "epoch": None}
     loss_carry, loss_count = 0.0, 0  # a resumed log interval's partial loss sum
-    found = (checkpoint.latest_valid(ckpt_dir, cfg.stage_hash(st.name),
+    init_sha = checkpoint.sha256_of(src) if st.init_from else None
+    resume_key = config_hash({"stage": cfg.stage_hash(st.name), "code": code_fingerprint(),
+                              "init": init_sha})
+    found = (checkpoint.latest_valid(ckpt_dir, resume_key,
                                      warn=print if d.is_master else lambda *a, **k: None)
              if cfg.checkpoint.resume == "auto" else None)
     if found:
@@ -194,6 +197,9 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         if len(state["rng"]) == d.world:
             distributed.set_rng_state(state["rng"][d.rank], d.device)
         say(f"resumed from {path.name}: step {step}, epoch {epoch}")
+    distributed.gather_objects(d, None)  # barrier: every rank has read its checkpoint
+    if d.is_master and not found:
+        checkpoint.set_aside(ckpt_dir)  # never mix a fresh run's checkpoints with stale ones
     log = MetricsLog(out / "metrics.jsonl", keep_until_step=step) if d.is_master else None
 
     def save_checkpoint() -> None:
@@ -208,6 +214,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "loss_sum": float(loss_sum.item()), "loss_count": loss_count,
                 "rng": rngs, "stage": st.name, "config": cfg.to_dict(),
                 "config_hash": cfg.hash, "stage_hash": cfg.stage_hash(st.name),
+                "resume_key": resume_key, "init_sha256": init_sha,
             }
             checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
 
@@ -347,6 +354,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "batch_size_per_rank": st.batch_size, "grad_accum_steps": accum,
                 "global_batch": global_batch, "lr_effective": lr,
                 "loader": loader_kind, "loader_reason": loader_reason,
+                "container": os.environ.get("DDPFLOW_IN_CONTAINER"),
                 "params": param_count(unwrap(model)), "metrics_problems": problems,
                 "rank_weight_sha256": weight_hashes,
                 "weights_in_sync": len(set(weight_hashes)) == 1,

@@ -1,0 +1,24 @@
+# ddpflow: build the image, prepare the data, train stage after stage with torchrun,
+# collect the results.   snakemake --cores all   |   snakemake --profile profiles/slurm
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/image.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/collect.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.collect.output,

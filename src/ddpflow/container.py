@@ -1,0 +1,198 @@
+"""Container engines: build the image and run a stage inside it.
+
+docker and podman are driven through the Docker Engine API with the `docker` Python
+SDK (podman answers the same API on its socket: `podman system service`). apptainer
+has no such API: its image is converted from the built one with `apptainer build` and
+stages run with `apptainer exec --nv` (written and documented; not run on our CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .config import Config
+from .data.prepared import write_json_atomic
+from .errors import UserError
+
+IN_CONTAINER = "DDPFLOW_IN_CONTAINER"
+PODMAN_SOCKETS = ("/run/podman/podman.sock",)
+
+
+def _socket_hint(engine: str) -> str:
+    if os.environ.get("DOCKER_HOST"):
+        return f"DOCKER_HOST={os.environ['DOCKER_HOST']}"
+    return "unix:///var/run/docker.sock" if engine == "docker" else "the podman socket"
+
+
+def client(engine: str):
+    """A Docker-API client for docker or podman, or a UserError that says what to do."""
+    import docker
+
+    kwargs = {}
+    if engine == "podman" and not os.environ.get("DOCKER_HOST"):
+        run_dir = os.environ.get("XDG_RUNTIME_DIR", "")
+        for sock in (f"{run_dir}/podman/podman.sock" if run_dir else "", *PODMAN_SOCKETS):
+            if sock and os.path.exists(sock):
+                kwargs["base_url"] = f"unix://{sock}"
+                break
+    try:
+        c = docker.DockerClient(**kwargs) if kwargs else docker.from_env()
+        c.ping()
+        return c
+    except Exception as e:  # noqa: BLE001 - any failure to reach the engine gets one message
+        installed = shutil.which(engine) is not None
+        what = ("is installed but its engine does not answer" if installed
+                else "is not installed")
+        start = {"docker": "start it with `dockerd` (or `systemctl start docker`)",
+                 "podman": "start its API with `podman system service --time=0 &`"}[engine]
+        raise UserError(f"container.engine is '{engine}', but {engine} {what} "
+                        f"({_socket_hint(engine)}: {type(e).__name__}); {start}, or set "
+                        f"container.engine: none to run the stages in the host environment"
+                        ) from None
+
+
+def git_revision(repo: Path) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def build(cfg: Config, context: Path, out: Path) -> dict:
+    """Build the image from <context>/Dockerfile; write image.json; return its record."""
+    from . import __version__
+
+    engine = cfg.container.engine
+    record = {"engine": engine, "tag": cfg.container.image, "package_version": __version__}
+    if engine == "none":
+        import torch
+
+        record.update(image_id=None, note="stages run in the host environment",
+                      python=platform.python_version(), torch=torch.__version__)
+        write_json_atomic(out, record)
+        return record
+    if engine == "apptainer":
+        return _build_apptainer(cfg, context, out, record)
+    c = client(engine)
+    revision = git_revision(context)
+    args = {"VERSION": __version__, "REVISION": revision}
+    if cfg.container.base_image:
+        args["BASE_IMAGE"] = cfg.container.base_image
+    t0 = time.perf_counter()
+    image_id = None
+    # the low-level API streams the build log as it happens (progress on long builds)
+    for chunk in c.api.build(path=str(context), dockerfile="Dockerfile", tag=cfg.container.image,
+                             buildargs=args, network_mode="host", rm=True, decode=True):
+        if "stream" in chunk:
+            sys.stdout.write(chunk["stream"])
+        if "error" in chunk:
+            raise UserError(f"image build failed: {chunk['error'].strip()}")
+        if "aux" in chunk and "ID" in chunk["aux"]:
+            image_id = chunk["aux"]["ID"]
+    image = c.images.get(image_id or cfg.container.image)
+    version = c.version()
+    record.update(
+        image_id=image.id, revision=revision, build_args=args,
+        labels=image.labels, size_bytes=image.attrs.get("Size"),
+        engine_version=version.get("Version"), engine_api=version.get("ApiVersion"),
+        build_time_s=round(time.perf_counter() - t0, 2),
+        digest=(image.attrs.get("RepoDigests") or [None])[0])
+    write_json_atomic(out, record)
+    return record
+
+
+def _build_apptainer(cfg: Config, context: Path, out: Path, record: dict) -> dict:
+    """Build with docker, then convert to a .sif beside image.json (needs apptainer)."""
+    if shutil.which("apptainer") is None:
+        raise UserError("container.engine is 'apptainer', but apptainer is not installed; "
+                        "install it, or set container.engine: none")
+    docker_cfg = {**cfg.to_dict(), "container": {**cfg.to_dict()["container"],
+                                                 "engine": "docker"}}
+    from .config import from_dict
+
+    built = build(from_dict(docker_cfg), context, out)
+    sif = out.with_suffix(".sif")
+    subprocess.run(["apptainer", "build", "--force", str(sif),
+                    f"docker-daemon://{cfg.container.image}"], check=True)
+    record.update(built, engine="apptainer", sif=str(sif))
+    write_json_atomic(out, record)
+    return record
+
+
+def _mounts(cfg: Config) -> list[Path]:
+    """Host folders the stage needs, mounted at the same path inside the container."""
+    paths = [Path.cwd(), Path(cfg.results_dir).resolve()]
+    if cfg.data.path:
+        p = Path(cfg.data.path).resolve()
+        paths.append(p if p.is_dir() else p.parent)
+    keep: list[Path] = []
+    for p in sorted(set(paths), key=lambda q: len(q.parts)):
+        if not any(p == k or k in p.parents for k in keep):
+            keep.append(p)
+    return keep
+
+
+def _gpu_ids() -> list[str] | None:
+    """The host GPUs to hand to the container, or None where there are none."""
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        return None
+    outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return outer.split(",") if outer else [str(i) for i in range(n)]
+
+
+def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str]) -> int:
+    """Run `ddpflow launch` for one stage inside the image; returns its exit code."""
+    argv = ["ddpflow", "launch", "--config", str(resolved.resolve()), "--stage", stage,
+            *extra_args]
+    gpus = _gpu_ids()
+    mounts = _mounts(cfg)
+    if cfg.container.engine == "apptainer":
+        sif = cfg.run_dir / "image.sif"
+        cmd = ["apptainer", "exec", *(["--nv"] if gpus else []),
+               *[x for m in mounts for x in ("--bind", f"{m}:{m}")],
+               "--env", f"{IN_CONTAINER}=apptainer:{sif}", str(sif), *argv]
+        return subprocess.call(cmd)
+    import docker
+
+    c = client(cfg.container.engine)
+    info = json.loads((cfg.run_dir / "image.json").read_text()) \
+        if (cfg.run_dir / "image.json").is_file() else {}
+    image = info.get("image_id") or cfg.container.image
+    requests = ([docker.types.DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])]
+                if gpus else [])
+    print(f"ddpflow: running in {cfg.container.engine} image {image[:19]} "
+          f"({len(gpus or [])} GPU(s), shm {cfg.container.shm_size})", file=sys.stderr)
+    container = c.containers.run(
+        image, argv, detach=True, working_dir=str(Path.cwd()),
+        user=f"{os.getuid()}:{os.getgid()}",
+        environment={IN_CONTAINER: f"{cfg.container.engine}:{image}", "HOME": "/tmp"},
+        volumes={str(m): {"bind": str(m), "mode": "rw"} for m in mounts},
+        shm_size=cfg.container.shm_size, device_requests=requests, init=True,
+        network_mode="host")
+
+    def forward(signum, _frame):  # preemption reaches the ranks inside
+        container.kill(signal="SIGTERM")
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        for line in container.logs(stream=True, follow=True):
+            sys.stderr.write(line.decode(errors="replace"))
+        rc = container.wait()["StatusCode"]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        container.remove(force=True)
+    return rc

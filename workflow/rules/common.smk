@@ -1,0 +1,103 @@
+# Small helpers shared by the files under rules/ (paths, the config file every `ddpflow` call
+# reads, and the parameters that decide what a changed setting reruns).
+import json
+import hashlib
+import re
+from pathlib import Path
+
+RUN = config["run"]
+RESULTS = f"{config['results_dir']}/{RUN}"
+LOGS = f"logs/{RUN}"
+STAGES = [s["name"] for s in config["stages"]]
+PACKAGE = Path(workflow.basedir) / "src" / "ddpflow"
+STAGE_PATTERN = "|".join(re.escape(s) for s in STAGES)
+
+
+def workflow_config():
+    """The validated config (defaults filled) as the one file every ddpflow call reads."""
+    path = Path(RESULTS) / "workflow_config.json"
+    text = json.dumps(config, indent=2, sort_keys=True)
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(path)
+
+
+WCFG = workflow_config()
+
+
+def code_version(*parts):
+    """Hash of the package source (or some of its modules): the rerun trigger for code."""
+    h = hashlib.sha256()
+    files = sorted(f for p in parts or ("",) for f in (PACKAGE / p).glob("**/*.py"))
+    for f in files + [PACKAGE / "schema" / "config.schema.yaml"]:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def config_upto(stage):
+    """What a stage's result depends on: everything but the stages after it."""
+    i = STAGES.index(stage)
+    keep = {
+        k: v
+        for k, v in config.items()
+        if k not in ("stages", "slurm", "log_every_steps")
+    }
+    return {**keep, "stages": config["stages"][: i + 1]}
+
+
+def stage_inputs(wildcards):
+    i = STAGES.index(wildcards.stage)
+    init = config["stages"][i]["init_from"]
+    inputs = {"data": f"{RESULTS}/data/meta.json", "image": f"{RESULTS}/image.json"}
+    if init == "previous":
+        inputs["init"] = f"{RESULTS}/stages/{STAGES[i - 1]}/final.pt"
+    elif init:
+        inputs["init"] = init
+    return inputs
+
+
+def slurm_resources():
+    """Resources the Slurm executor turns into sbatch options (ignored by --cores)."""
+    s = config["slurm"]
+    extra = f"--signal=USR1@{s['signal_before_end_s']} {s['extra']}".strip()
+    res = {
+        "mem_mb": s["mem_mb"],
+        "runtime": s["runtime_min"],
+        "slurm_extra": f"'{extra}'",
+    }
+    if s["gpus"] > 0:
+        res.update(gpu=s["gpus"], cpus_per_gpu=s["cpus_per_gpu"])
+        if s["gpu_model"]:
+            res["gpu_model"] = s["gpu_model"]
+    else:
+        res["cpus_per_task"] = s["cpus"]
+    for key in ("partition", "account"):
+        if s[key]:
+            res[f"slurm_{key}"] = s[key]
+    return res
+
+
+def image_inputs():
+    if config["container"]["engine"] == "none":
+        return []
+    return ["Dockerfile", "pyproject.toml"] + sorted(
+        str(p) for p in PACKAGE.glob("**/*.py")
+    )
+
+
+LOADER_KEYS = (
+    "loader",
+    "device_memory_fraction",
+    "num_workers",
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+    "augment",
+    "prepare_workers",
+)
+
+
+def data_inputs():
+    path = config["data"]["path"]
+    return [path] if path and Path(path).is_file() else []

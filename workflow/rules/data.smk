@@ -1,0 +1,17 @@
+# Data: the configured source, prepared once into the memory-mappable format.
+rule prepare_data:
+    input:
+        data_inputs(),
+    output:
+        f"{RESULTS}/data/meta.json",
+    log:
+        f"{LOGS}/prepare_data.log",
+    conda:
+        "../envs/ddpflow.yaml"
+    params:
+        cfg=WCFG,
+        data={k: v for k, v in config["data"].items() if k not in LOADER_KEYS},
+        seed=config["seed"],
+        code=code_version("data"),
+    shell:
+        "ddpflow prepare --config {params.cfg} > {log} 2>&1"

@@ -1,0 +1,17 @@
+# The container image: rebuilt only when the Dockerfile or the package changes.
+
+
+rule image:
+    input:
+        image_inputs(),
+    output:
+        f"{RESULTS}/image.json",
+    log:
+        f"{LOGS}/image.log",
+    conda:
+        "../envs/ddpflow.yaml"
+    params:
+        cfg=WCFG,
+        container=config["container"],
+    shell:
+        "ddpflow image --config {params.cfg} --out {output} > {log} 2>&1"

@@ -1,0 +1,25 @@
+# Training: one job per stage, each one `ddpflow launch` = one torchrun with N ranks.
+# A stage reruns when its settings (or any earlier stage's, data, model, hardware),
+# the package code or the image change; later stages follow through their inputs.
+
+
+rule train:
+    input:
+        unpack(stage_inputs),
+    output:
+        final=f"{RESULTS}/stages/{{stage}}/final.pt",
+        summary=f"{RESULTS}/stages/{{stage}}/summary.json",
+    log:
+        f"{LOGS}/train_{{stage}}.log",
+    wildcard_constraints:
+        stage=STAGE_PATTERN,
+    conda:
+        "../envs/ddpflow.yaml"
+    resources:
+        **slurm_resources(),
+    params:
+        cfg=WCFG,
+        settings=lambda wildcards: config_upto(wildcards.stage),
+        code=code_version(),
+    shell:
+        "ddpflow launch --config {params.cfg} --stage {wildcards.stage} > {log} 2>&1"
