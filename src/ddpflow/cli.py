@@ -96,7 +96,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.command == "collect":
         from .collect import collect
 
-        summary = collect(cfg)
+        collect(cfg)
         print((cfg.run_dir / "summary" / "headline.txt").read_text(), end="")
         return 0
     if args.command == "image":

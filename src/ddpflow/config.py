@@ -234,7 +234,8 @@ def _message(err: jsonschema.ValidationError) -> str:
         return (f"unknown key {prefix}{extra[0] if len(extra) == 1 else '{' + keys + '}'}"
                 f"; allowed keys here: {', '.join(allowed)}")
     if err.validator == "enum":
-        return f"{where}: {err.instance!r} is not one of {', '.join(map(repr, err.validator_value))}"
+        allowed = ", ".join(map(repr, err.validator_value))
+        return f"{where}: {err.instance!r} is not one of {allowed}"
     if err.validator == "oneOf":
         options = []
         for sub in err.validator_value:

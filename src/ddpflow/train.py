@@ -132,7 +132,6 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                         f"{d.world} ranks x {accum} accumulation exceeds the "
                         f"{len(train_y)} training samples; lower the batch size")
     total_steps = st.max_steps or st.epochs * steps_per_epoch
-    epochs = math.ceil(total_steps / steps_per_epoch)
     global_batch = st.batch_size * d.world * accum
 
     # ---------------------------------------------------------------- model

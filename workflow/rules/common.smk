@@ -81,9 +81,9 @@ def slurm_resources():
 def image_inputs():
     if config["container"]["engine"] == "none":
         return []
-    return ["Dockerfile", "pyproject.toml"] + sorted(
-        str(p) for p in PACKAGE.glob("**/*.py")
-    )
+    top = Path(workflow.basedir)
+    files = [top / "Dockerfile", top / "pyproject.toml", *PACKAGE.glob("**/*.py")]
+    return sorted(str(p) for p in files)
 
 
 LOADER_KEYS = (

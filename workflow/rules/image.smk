@@ -13,5 +13,6 @@ rule image:
     params:
         cfg=WCFG,
         container=config["container"],
+        context=workflow.basedir,
     shell:
-        "ddpflow image --config {params.cfg} --out {output} > {log} 2>&1"
+        "ddpflow image --config {params.cfg} --context {params.context} --out {output} > {log} 2>&1"

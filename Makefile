@@ -1,0 +1,42 @@
+# ddpflow: two commands on a fresh machine.
+#   make run    set up .venv, then run the workflow on config/config.yaml (snakemake --cores all)
+#   make test   set up .venv and the test services (Docker engine), lint, run every test
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+STAMP := $(VENV)/.ddpflow-installed
+CORES ?= all
+
+.PHONY: run test install lint test-env bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+install: $(STAMP)
+
+run: $(STAMP)
+	snakemake --cores $(CORES)
+
+lint: $(STAMP)
+	ruff check src tests bench
+	snakemake --lint
+	snakefmt --check Snakefile workflow
+	hadolint --failure-threshold error Dockerfile
+
+test-env:
+	bash tests/setup/system.sh
+
+test: $(STAMP) test-env lint
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/ddp_scaling.py
+	$(PY) bench/input_pipeline.py
+	$(PY) bench/prepare_imagefolder.py
+
+clean:
+	rm -rf results logs .snakemake

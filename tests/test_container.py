@@ -1,0 +1,80 @@
+"""A real Docker engine: build the project's Dockerfile on a local base, train inside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import REPO, ddpflow, tiny_config, write_config
+from test_workflow import snakemake, write
+
+pytestmark = pytest.mark.slow
+BASE = os.environ.get("DDPFLOW_TEST_BASE", "ddpflow-test-base:bookworm-torch2.13-cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def docker_engine():
+    ok = subprocess.run(["docker", "image", "inspect", BASE], capture_output=True)
+    assert ok.returncode == 0, (f"no Docker engine with the test base image {BASE}: "
+                                f"run `bash tests/setup/docker.sh` (make test does)")
+
+
+def docker_config(tmp_path, **extra):
+    return tiny_config(tmp_path, container={"engine": "docker", "image": "ddpflow:pytest",
+                                            "base_image": BASE}, **extra)
+
+
+def test_build_and_train_one_stage_in_the_container(tmp_path):
+    p = write_config(tmp_path, docker_config(tmp_path, stages=[
+        {"name": "s1", "max_steps": 6, "batch_size": 32}]))
+    out = tmp_path / "image.json"
+    ddpflow("image", "--config", p, "--context", REPO, "--out", out, check=True)
+    rec = json.loads(out.read_text())
+    assert rec["engine"] == "docker" and rec["image_id"].startswith("sha256:")
+    assert rec["labels"]["org.opencontainers.image.title"] == "ddpflow"
+    assert rec["labels"]["org.opencontainers.image.revision"] == rec["revision"]
+    assert rec["engine_version"] and rec["build_time_s"] >= 0
+    user = subprocess.run(["docker", "image", "inspect", "-f", "{{.Config.User}}",
+                           rec["image_id"]], capture_output=True, text=True, check=True)
+    assert user.stdout.strip() == "1000"  # non-root by default
+    (tmp_path / "results/t").mkdir(parents=True)
+    (tmp_path / "results/t/image.json").write_text(out.read_text())
+    ddpflow("prepare", "--config", p, check=True)
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    assert "runs in the docker image" in proc.stderr and "2 rank(s) on cpu" in proc.stderr
+    s = json.loads((tmp_path / "results/t/stages/s1/summary.json").read_text())
+    assert s["container"] == f"docker:{rec['image_id']}"
+    assert s["world_size"] == 2 and s["steps"] == 6
+    # files written in the container belong to the calling user
+    assert (tmp_path / "results/t/stages/s1/final.pt").stat().st_uid == os.getuid()
+
+
+def test_workflow_with_docker_engine(tmp_path):
+    cfg = {"run": "dk", "log_every_steps": 4,
+           "data": {"train_size": 256, "val_size": 64, "image_size": 16},
+           "hardware": {"nproc_per_node": 2, "threads_per_rank": 1},
+           "container": {"engine": "docker", "image": "ddpflow:pytest", "base_image": BASE},
+           "stages": [{"name": "a", "max_steps": 4, "batch_size": 32}]}
+    write(tmp_path, cfg)
+    proc = snakemake(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    image = json.loads((tmp_path / "results/dk/image.json").read_text())
+    s = json.loads((tmp_path / "results/dk/stages/a/summary.json").read_text())
+    assert s["container"] == f"docker:{image['image_id']}"
+
+
+@pytest.mark.parametrize("engine, env, needle", [
+    ("docker", {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}, "does not answer"),
+    ("podman", {"DOCKER_HOST": "unix:///nonexistent/podman.sock"}, "podman"),
+])
+def test_missing_engine_is_one_clear_error(tmp_path, engine, env, needle):
+    cfg = tiny_config(tmp_path, container={"engine": engine})
+    proc = ddpflow("image", "--config", write_config(tmp_path, cfg), "--out",
+                   tmp_path / "image.json", env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"container.engine is '{engine}'" in proc.stderr and needle in proc.stderr
+    assert "container.engine: none" in proc.stderr
+    assert not (tmp_path / "image.json").exists()
