@@ -1,39 +1,54 @@
 """`ddpflow collect`: every stage's summary and checkpoints into one place.
 
-Writes under <run>/summary/: summary.json and summary.csv (one row per stage),
-headline.txt (what `make run` prints at the end). Works on an interrupted run: stages
-without a finished summary are listed as not finished, with what is missing.
+Writes under <run>/summary/:
+    summary.json, summary.csv   one row per stage (numbers copied from each stage's summary)
+    checkpoints/                final and best weights of each stage (hard links where the
+                                filesystem allows, else copies) and index.json
+    loss_accuracy.png, throughput.png, rank_step_time.png
+    manifest.json               what reproduces the run: config, versions, image, commands
+    report.html                 one self-contained page: headline, stages, plots, manifest
+    headline.txt                what `make run` prints at the end
+Works on an interrupted run: stages without a finished summary are listed as not
+finished, with what is missing; malformed metrics lines are counted and named.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
+import os
+import shutil
 from pathlib import Path
 
+from . import __version__, plots
 from .checkpoint import sha256_of
 from .config import Config
+from .container import git_revision
 from .data.prepared import write_json_atomic
 from .metrics import read_records
+from .report import render
 from .summary import read_summary
 
 COLUMNS = ["stage", "finished", "epochs", "steps", "final_val_acc", "best_val_acc",
            "final_val_loss", "best_val_loss", "wall_time_s", "mean_samples_per_s",
-           "samples_per_s_per_rank", "data_wait_fraction", "peak_mem_mib", "world_size",
+           "samples_per_s_per_rank", "data_wait_fraction", "mfu", "peak_mem_mib", "world_size",
            "precision", "global_batch", "loader", "final_checkpoint", "final_sha256",
            "final_bytes", "best_checkpoint", "best_sha256", "best_bytes", "note"]
 
 
-def _file_info(path: Path) -> tuple[str | None, str | None, int | None]:
-    if not path.is_file():
-        return None, None, None
-    return str(path), sha256_of(path), path.stat().st_size
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
-def stage_row(cfg: Config, name: str) -> dict:
+def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
+    """(row, metrics records) for one stage, finished or not."""
     folder = cfg.stage_dir(name)
     row: dict = {"stage": name, "finished": False}
-    notes = []
+    notes: list[str] = []
     records: list[dict] = []
     if (folder / "metrics.jsonl").is_file():
         records, problems = read_records(folder / "metrics.jsonl")
@@ -42,8 +57,7 @@ def stage_row(cfg: Config, name: str) -> dict:
     if s is None:
         notes.append("not finished: no summary.json" if folder.is_dir()
                      else "not started: no stage folder")
-        steps = [r["step"] for r in records if "step" in r]
-        row["steps"] = max(steps) if steps else 0
+        row["steps"] = max((r["step"] for r in records if "step" in r), default=0)
     else:
         row.update({k: s.get(k) for k in COLUMNS if k in s})
         row["finished"] = True
@@ -51,34 +65,101 @@ def stage_row(cfg: Config, name: str) -> dict:
         if train:
             row["data_wait_fraction"] = sum(r["data_wait_fraction"] for r in train) / len(train)
             row["peak_mem_mib"] = max(r["peak_mem_mib"] for r in train)
-            row["samples_per_s_per_rank"] = (row["mean_samples_per_s"] or 0) / s["world_size"]
-        notes += s.get("metrics_problems", [])
+        if row.get("mean_samples_per_s") is not None:
+            row["samples_per_s_per_rank"] = row["mean_samples_per_s"] / s["world_size"]
     for kind in ("final", "best"):
-        path, digest, size = _file_info(folder / f"{kind}.pt")
-        row[f"{kind}_checkpoint"], row[f"{kind}_sha256"], row[f"{kind}_bytes"] = path, digest, size
+        p = folder / f"{kind}.pt"
+        row[f"{kind}_checkpoint"] = str(p) if p.is_file() else None
+        row[f"{kind}_sha256"] = sha256_of(p) if p.is_file() else None
+        row[f"{kind}_bytes"] = p.stat().st_size if p.is_file() else None
+        if s is not None and not p.is_file():
+            notes.append(f"{kind}.pt is missing")
     row["note"] = "; ".join(notes)
-    return row
+    return row, records
 
 
-def collect(cfg: Config) -> dict:
+def gather_checkpoints(rows: list[dict], out: Path) -> list[dict]:
+    """Hard-link (or copy) each stage's final and best weights into out; return the index."""
+    out.mkdir(parents=True, exist_ok=True)
+    index = []
+    for r in rows:
+        for kind in ("final", "best"):
+            src = r.get(f"{kind}_checkpoint")
+            if not src:
+                continue
+            dst = out / f"{r['stage']}-{kind}.pt"
+            dst.unlink(missing_ok=True)
+            try:
+                os.link(src, dst)
+                how = "hard link"
+            except OSError:
+                shutil.copy2(src, dst)
+                how = "copy"
+            index.append({"stage": r["stage"], "kind": kind, "file": dst.name, "source": src,
+                          "sha256": r[f"{kind}_sha256"], "bytes": r[f"{kind}_bytes"],
+                          "stored_as": how,
+                          "val_acc": r.get("final_val_acc" if kind == "final" else "best_val_acc")})
+    write_json_atomic(out / "index.json", {"checkpoints": index})
+    return index
+
+
+def manifest(cfg: Config, repo: Path) -> dict:
+    """What is needed to reproduce the run, from the stages' own records."""
+    stages = {}
+    for st in cfg.stages:
+        folder = cfg.stage_dir(st.name)
+        s = read_summary(folder / "summary.json") or {}
+        stages[st.name] = {"command": _read_json(folder / "command.json"),
+                           "environment": s.get("environment"),
+                           "container": s.get("container"), "config_hash": s.get("config_hash")}
+    envs = [v["environment"] for v in stages.values() if v["environment"]]
+    first = envs[0] if envs else {}
+    return {
+        "run": cfg.run, "config_hash": cfg.hash, "seed": cfg.seed,
+        "deterministic": cfg.deterministic, "ddpflow_version": __version__,
+        "git_revision": git_revision(repo),
+        "torch": first.get("torch"), "cuda": first.get("cuda"), "cudnn": first.get("cudnn"),
+        "nccl": first.get("nccl"), "gpus": first.get("gpus"), "driver": first.get("driver"),
+        "python": first.get("python"), "host": first.get("host"),
+        "image": _read_json(cfg.run_dir / "image.json"),
+        "workflow_commands": ["snakemake --cores all  (or --profile profiles/slurm)",
+                              *[f"ddpflow launch --config <config> --stage {st.name}"
+                                for st in cfg.stages]],
+        "stages": stages, "config": cfg.to_dict(),
+    }
+
+
+def collect(cfg: Config, repo: Path | None = None) -> dict:
     out = cfg.run_dir / "summary"
     out.mkdir(parents=True, exist_ok=True)
-    rows = [stage_row(cfg, st.name) for st in cfg.stages]
-    summary = {"run": cfg.run, "config_hash": cfg.hash, "config": cfg.to_dict(),
-               "stages": rows, "finished": all(r["finished"] for r in rows)}
+    pairs = [stage_row(cfg, st.name) for st in cfg.stages]
+    rows = [r for r, _ in pairs]
+    stage_records = [(st.name, recs) for st, (_, recs) in zip(cfg.stages, pairs)]
+    index = gather_checkpoints(rows, out / "checkpoints")
+    figures = {}
+    if any(recs for _, recs in stage_records):
+        figures["loss_accuracy"] = plots.loss_accuracy(stage_records, out / "loss_accuracy.png")
+        figures["throughput"] = plots.throughput(stage_records, out / "throughput.png")
+        figures["rank_step_time"] = plots.rank_step_times(stage_records,
+                                                          out / "rank_step_time.png")
+    man = manifest(cfg, Path(repo or Path.cwd()))
+    write_json_atomic(out / "manifest.json", man)
+    summary = {"run": cfg.run, "config_hash": cfg.hash, "finished": all(r["finished"] for r in rows),
+               "stages": rows, "checkpoints": index, "figures": sorted(figures),
+               "config": cfg.to_dict()}
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
     w.writeheader()
-    for r in rows:
-        w.writerow(r)
+    w.writerows(rows)
     (out / "summary.csv").write_text(buf.getvalue())
     write_json_atomic(out / "summary.json", summary)
+    (out / "report.html").write_text(render(cfg, summary, man, figures))
     (out / "headline.txt").write_text(headline(cfg, rows))
     return summary
 
 
 def headline(cfg: Config, rows: list[dict]) -> str:
-    lines = [f"ddpflow run '{cfg.run}': {cfg.run_dir / 'summary' / 'summary.json'}"]
+    lines = [f"ddpflow run '{cfg.run}': {cfg.run_dir / 'summary' / 'report.html'}"]
     for r in rows:
         if r["finished"]:
             lines.append(f"  {r['stage']:12s} val_acc {r['final_val_acc']:.4f} "
@@ -88,5 +169,3 @@ def headline(cfg: Config, rows: list[dict]) -> str:
         else:
             lines.append(f"  {r['stage']:12s} NOT FINISHED ({r['note']})")
     return "\n".join(lines) + "\n"
-
-

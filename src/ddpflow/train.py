@@ -81,6 +81,30 @@ def weights_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def environment(device: torch.device) -> dict:
+    """Versions and hardware this stage really ran on (recorded by rank 0)."""
+    import platform
+    import socket
+
+    from . import __version__
+
+    env = {"ddpflow": __version__, "python": platform.python_version(), "torch": torch.__version__,
+           "host": socket.gethostname(), "cpu_count": os.cpu_count(), "cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+           "nccl": None, "gpus": [], "driver": None}
+    if device.type == "cuda":
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001 - nvidia-ml-py is optional; the driver stays unknown
+            pass
+    return env
+
+
 def _trace_file(rank: int):
     # DDPFLOW_SAMPLE_TRACE=<folder>: each rank lists the sample indices it trained on
     folder = os.environ.get("DDPFLOW_SAMPLE_TRACE")
@@ -355,7 +379,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "loader": loader_kind, "loader_reason": loader_reason,
                 "container": os.environ.get("DDPFLOW_IN_CONTAINER"),
                 "params": param_count(unwrap(model)), "metrics_problems": problems,
-                "rank_weight_sha256": weight_hashes,
+                "rank_weight_sha256": weight_hashes, "environment": environment(d.device),
                 "weights_in_sync": len(set(weight_hashes)) == 1,
                 "config": cfg.to_dict(), "config_hash": cfg.hash,
                 "stage_hash": cfg.stage_hash(st.name),

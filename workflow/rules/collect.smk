@@ -1,4 +1,5 @@
 # Collect: every stage's summary and checkpoints into tables, plots and a report.
+# The outputs marked report() show up in `snakemake --report report.html`.
 
 
 rule collect:
@@ -7,7 +8,32 @@ rule collect:
         image=f"{RESULTS}/image.json",
     output:
         summary=f"{RESULTS}/summary/summary.json",
-        csv=f"{RESULTS}/summary/summary.csv",
+        csv=report(
+            f"{RESULTS}/summary/summary.csv",
+            caption="../report/summary.rst",
+            category="Summary",
+        ),
+        loss=report(
+            f"{RESULTS}/summary/loss_accuracy.png",
+            caption="../report/loss_accuracy.rst",
+            category="Training",
+        ),
+        throughput=report(
+            f"{RESULTS}/summary/throughput.png",
+            caption="../report/throughput.rst",
+            category="Performance",
+        ),
+        ranks=report(
+            f"{RESULTS}/summary/rank_step_time.png",
+            caption="../report/rank_step_time.rst",
+            category="Performance",
+        ),
+        html=report(
+            f"{RESULTS}/summary/report.html",
+            caption="../report/report.rst",
+            category="Summary",
+        ),
+        manifest=f"{RESULTS}/summary/manifest.json",
         headline=f"{RESULTS}/summary/headline.txt",
     log:
         f"{LOGS}/collect.log",

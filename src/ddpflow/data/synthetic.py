@@ -33,6 +33,6 @@ def generate(n: int, num_classes: int, size: int, channels: int, seed: int, spli
         x = templates[y] * rng.uniform(0.7, 1.3, size=(len(y), 1, 1, 1))
         shift = rng.integers(-2, 3, size=2)
         x = np.roll(x, tuple(int(s) for s in shift), axis=(1, 2))
-        x = x + rng.normal(0.0, 0.18, size=x.shape)
+        x = x + rng.normal(0.0, 0.3, size=x.shape)
         images[i:i + chunk] = np.clip(x * 255.0, 0, 255).astype(np.uint8)
     return images, labels.astype(np.int64)

@@ -1,0 +1,111 @@
+"""collect on a real (tiny) workflow run: tables, checksums, manifest, plots, HTML, report."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import platform
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_workflow import TINY, snakemake, write
+
+from conftest import ddpflow
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("report")
+    write(wd, TINY)
+    proc = snakemake(wd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return wd
+
+
+def test_tables_checksums_and_manifest(run):
+    out = run / "results/wf/summary"
+    for name in ("summary.json", "summary.csv", "manifest.json", "report.html",
+                 "loss_accuracy.png", "throughput.png", "rank_step_time.png",
+                 "checkpoints/index.json"):
+        assert (out / name).is_file(), name
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["stage"] for r in rows] == ["a", "b"]
+    for r in rows:
+        stage = json.loads((run / f"results/wf/stages/{r['stage']}/summary.json").read_text())
+        for key in ("final_val_acc", "best_val_acc", "wall_time_s", "mean_samples_per_s"):
+            assert float(r[key]) == pytest.approx(stage[key], rel=1e-12), key
+        for key in ("steps", "world_size", "global_batch"):
+            assert int(r[key]) == stage[key]
+        assert r["precision"] == stage["precision"] and r["finished"] == "True"
+    index = json.loads((out / "checkpoints/index.json").read_text())["checkpoints"]
+    assert {(c["stage"], c["kind"]) for c in index} == {("a", "final"), ("a", "best"),
+                                                        ("b", "final"), ("b", "best")}
+    for c in index:
+        blob = (out / "checkpoints" / c["file"]).read_bytes()
+        assert hashlib.sha256(blob).hexdigest() == c["sha256"] and len(blob) == c["bytes"]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["torch"] == torch.__version__ and man["python"] == platform.python_version()
+    assert man["config_hash"] and man["seed"] == 0 and len(man["git_revision"]) >= 7
+    assert man["stages"]["a"]["command"]["argv"][1:3] == ["-m", "torch.distributed.run"]
+    assert man["image"]["engine"] == "none"
+
+
+def test_report_renders_in_headless_chromium(run, tmp_path):
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is needed (tests/setup/system.sh installs it)"
+    page = (run / "results/wf/summary/report.html").resolve().as_uri()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1100,1400"]
+    dom = subprocess.run([chromium, *flags, "--virtual-time-budget=5000", "--dump-dom", page],
+                         capture_output=True, text=True, timeout=120).stdout
+    body = re.search(r"<body[^>]*>", dom).group(0)
+    assert 'data-images-loaded="3"' in body and 'data-images-total="3"' in body, body
+    headline = dom.split('id="headline"')[1].split("</table>")[0]
+    assert "<td>a</td>" in headline and "<td>b</td>" in headline
+    shot = tmp_path / "shot.png"
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", page], capture_output=True,
+                   timeout=120, check=True)
+    img = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    assert img.shape == (1400, 1100, 3)
+    # matplotlib's first line colour (#1f77b4) on screen: the plots were drawn, not just linked
+    blue = (np.abs(img - np.array([31, 119, 180])) < 25).all(axis=2).sum()
+    assert blue > 200, blue
+
+
+def test_snakemake_report_includes_the_plots(run, tmp_path):
+    out = tmp_path / "smk-report.html"
+    proc = snakemake(run, "--report", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    for name in ("loss_accuracy.png", "throughput.png", "rank_step_time.png", "summary.csv"):
+        assert name in text, name
+    assert "Training loss (mean per log interval)" in text  # a caption
+
+
+def test_interrupted_run_is_summarised_with_notes(run, tmp_path):
+    res = tmp_path / "results"
+    shutil.copytree(run / "results", res)
+    shutil.rmtree(res / "wf/stages/b")
+    metrics = res / "wf/stages/a/metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"kind": "train", "step": 9')  # cut mid-line
+    cfg = json.loads((run / "results/wf/workflow_config.json").read_text())
+    cfg["results_dir"] = str(res)
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    proc = ddpflow("collect", "--config", tmp_path / "c.json", check=True)
+    assert "NOT FINISHED" in proc.stdout
+    s = json.loads((res / "wf/summary/summary.json").read_text())
+    a, b = s["stages"]
+    assert a["finished"] and "line" in a["note"] and "truncated" in a["note"]
+    assert not b["finished"] and "not started" in b["note"] and not s["finished"]
+    assert "NOT FINISHED" in (res / "wf/summary/report.html").read_text()
+
+
