@@ -144,8 +144,9 @@ def collect(cfg: Config, repo: Path | None = None) -> dict:
                                                           out / "rank_step_time.png")
     man = manifest(cfg, Path(repo or Path.cwd()))
     write_json_atomic(out / "manifest.json", man)
-    summary = {"run": cfg.run, "config_hash": cfg.hash, "finished": all(r["finished"] for r in rows),
-               "stages": rows, "checkpoints": index, "figures": sorted(figures),
+    summary = {"run": cfg.run, "config_hash": cfg.hash,
+               "finished": all(r["finished"] for r in rows), "stages": rows,
+               "checkpoints": index, "figures": sorted(figures),
                "config": cfg.to_dict()}
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
