@@ -124,3 +124,9 @@ def test_dry_run_prints_one_torchrun_line(tmp_path):
     assert proc.stderr.count("torch.distributed.run") == 1
     assert "--nproc-per-node=2" in proc.stderr and "--max-restarts=2" in proc.stderr
     assert "--master-addr=127.0.0.1" in proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "config").glob("*.yaml")))
+def test_shipped_configs_validate(name):
+    cfg = load_config(REPO / "config" / name)
+    assert cfg.stages
