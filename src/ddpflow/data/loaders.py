@@ -83,7 +83,7 @@ class Normalize:
         x = x.permute(0, 3, 1, 2)  # NHWC storage viewed as NCHW: already channels_last
         if not self.channels_last:
             x = x.contiguous()  # the layout change on 1-byte pixels, before widening to float
-        x = torch.addcmul(self.shift, x.float(), self.scale)  # (x - mean)/std in one pass
+        x = x.float().mul_(self.scale).add_(self.shift)  # (x - mean)/std, in place
         if x.shape[1] != self.want_channels:
             x = x.expand(-1, self.want_channels, -1, -1).contiguous(
                 memory_format=torch.channels_last if self.channels_last

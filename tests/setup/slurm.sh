@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# A real single-node Slurm cluster for the tests: munge, MariaDB + slurmdbd (sacct, which the
+# Snakemake Slurm executor polls), slurmctld and slurmd, with two fake GPUs declared by gres.
+#   bash tests/setup/slurm.sh          (idempotent; root)
+# The fake GPUs are character devices (/dev/null's numbers) so that Slurm schedules them and
+# hands each job its own CUDA_VISIBLE_DEVICES; without CUDA the jobs train on the CPU.
+set -euo pipefail
+state=${DDPFLOW_SLURM_STATE:-/var/tmp/ddpflow-slurm}
+host=$(hostname -s)
+mkdir -p "$state"
+
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmdbd >/dev/null 2>&1 \
+   || ! command -v mariadbd >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server >/dev/null
+fi
+
+if sinfo -h -o %T 2>/dev/null | grep -qE 'idle|mix|alloc' \
+   && sacctmgr -n show user root 2>/dev/null | grep -q root; then
+  echo "slurm: cluster already up"
+  exit 0
+fi
+
+# --- munge
+if [ ! -s /etc/munge/munge.key ]; then
+  mkdir -p /etc/munge
+  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+fi
+chown -R munge:munge /etc/munge && chmod 700 /etc/munge && chmod 400 /etc/munge/munge.key
+mkdir -p /run/munge /var/log/munge /var/lib/munge
+chown munge:munge /run/munge /var/log/munge /var/lib/munge
+if ! munge -n >/dev/null 2>&1; then
+  runuser -u munge -- munged
+  for _ in $(seq 1 20); do munge -n >/dev/null 2>&1 && break; sleep 0.25; done
+fi
+munge -n >/dev/null
+
+# --- MariaDB for slurmdbd (data under $state)
+mkdir -p /run/mysqld
+if [ ! -d "$state/mysql/mysql" ]; then
+  mariadb-install-db --user=root --datadir="$state/mysql" >"$state/mysql-install.log" 2>&1
+fi
+if ! mariadb-admin --socket=/run/mysqld/mysqld.sock ping >/dev/null 2>&1; then
+  nohup mariadbd --user=root --datadir="$state/mysql" --socket=/run/mysqld/mysqld.sock \
+    --skip-networking=0 --bind-address=127.0.0.1 >"$state/mysqld.log" 2>&1 &
+  for _ in $(seq 1 60); do
+    mariadb-admin --socket=/run/mysqld/mysqld.sock ping >/dev/null 2>&1 && break; sleep 0.5
+  done
+fi
+
+# --- fake GPUs
+mkdir -p "$state/gpu"
+for i in 0 1; do
+  [ -c "$state/gpu/nvidia$i" ] || mknod -m666 "$state/gpu/nvidia$i" c 1 3
+done
+
+# --- configuration (must be /etc/slurm: the executor's job step drops SLURM_CONF)
+mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
+cat >/etc/slurm/slurm.conf <<CONF
+ClusterName=ddpflow
+SlurmctldHost=$host
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+MinJobAge=600
+ReturnToService=2
+GresTypes=gpu
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStorageEnforce=associations
+JobRequeue=1
+KillWait=30
+NodeName=$host CPUs=$(nproc) RealMemory=$mem Gres=gpu:2 State=UNKNOWN
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+CONF
+cat >/etc/slurm/gres.conf <<CONF
+AutoDetect=off
+NodeName=$host Name=gpu File=$state/gpu/nvidia[0-1]
+CONF
+cat >/etc/slurm/slurmdbd.conf <<CONF
+AuthType=auth/munge
+DbdHost=localhost
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=root
+StorageLoc=slurm_acct_db
+LogFile=/var/log/slurm/slurmdbd.log
+PidFile=/run/slurmdbd.pid
+CONF
+chmod 600 /etc/slurm/slurmdbd.conf
+
+# --- daemons
+if ! sacctmgr -n show cluster >/dev/null 2>&1; then
+  slurmdbd
+  for _ in $(seq 1 40); do sacctmgr -n show cluster >/dev/null 2>&1 && break; sleep 0.5; done
+fi
+sacctmgr -i add cluster ddpflow >/dev/null 2>&1 || true
+sacctmgr -i add account ddpflow Description=tests Organization=ddpflow >/dev/null 2>&1 || true
+sacctmgr -i add user root Account=ddpflow >/dev/null 2>&1 || true
+pgrep -x slurmctld >/dev/null || slurmctld
+pgrep -x slurmd >/dev/null || slurmd
+for _ in $(seq 1 60); do
+  sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mix|alloc)' && break; sleep 0.5
+done
+if ! sinfo -h -o %T | grep -qE '^(idle|mix|alloc)'; then
+  scontrol update NodeName="$host" State=RESUME >/dev/null 2>&1 || true
+  sleep 2
+fi
+sinfo
+sinfo -h -o %T | grep -qE '^(idle|mix|alloc)' || { tail -20 /var/log/slurm/slurmctld.log; exit 1; }
+echo "slurm: cluster up (node $host, 2 fake GPUs)"
