@@ -123,3 +123,11 @@ def set_aside(folder: Path) -> None:
             shutil.rmtree(old)
         os.replace(folder, old)
         print(f"ddpflow: checkpoints of an earlier run moved to {old}", file=sys.stderr)
+
+
+def remove_partial(folder: Path) -> None:
+    """Delete temp files left by a write that was killed (they never became checkpoints)."""
+    if Path(folder).is_dir():
+        for p in Path(folder).glob(".ckpt-*.tmp*"):
+            print(f"ddpflow: removing unfinished checkpoint write {p.name}", file=sys.stderr)
+            p.unlink(missing_ok=True)

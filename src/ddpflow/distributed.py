@@ -102,15 +102,6 @@ def gather_objects(d: Dist, obj) -> list:
     return out
 
 
-def all_max(d: Dist, value: float) -> float:
-    """The largest value over ranks (a collective; a host-device sync on CUDA)."""
-    if not d.backend:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def all_sum(d: Dist, t: torch.Tensor) -> torch.Tensor:
     if d.backend:
         dist.all_reduce(t)

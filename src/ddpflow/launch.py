@@ -7,6 +7,7 @@ standalone store does not (stale addresses, pytorch issue 135712).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from .errors import UserError
 from .summary import read_summary
 
 EXIT_STOPPED = 75  # stopped at a checkpoint before the end (preempted): run again to resume
+EXIT_DIVERGED = 3  # loss became NaN/inf: rerunning the same settings will not help
 
 
 def free_port() -> int:
@@ -75,9 +77,6 @@ def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
 def preflight(cfg: Config, stage: str) -> None:
     """Everything a stage needs that can be checked before any rank starts."""
     st = cfg.stage(stage)
-    if cfg.hardware.nodes > 1:
-        raise UserError("hardware.nodes > 1 is not supported by `ddpflow launch` yet; "
-                        "use one node")
     if prepared.read_meta(cfg.data_dir) is None:
         raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare --config ...`"
                         f" first (or the workflow's data rule)")
@@ -95,27 +94,85 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = ()) ->
     n, _device, env = resolve_ranks(cfg)
     if cfg.stage(stage).strategy == "dp":
         n = 1  # DataParallel: one process drives every visible GPU
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-           f"--nproc-per-node={n}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-           f"--max-restarts={cfg.hardware.max_restarts}", "--module", "ddpflow", "train",
-           "--resolved", str(resolved), "--stage", stage, *extra_args]
+    train = ["--module", "ddpflow", "train", "--resolved", str(resolved), "--stage", stage,
+             *extra_args]
+    restarts = f"--max-restarts={cfg.hardware.max_restarts}"
+    if cfg.hardware.nodes == 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+               f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", restarts, *train]
+        return cmd, env
+    # several nodes: one torchrun per node through srun, meeting at a c10d rendezvous
+    # on the first node of the Slurm allocation (where this launcher runs)
+    nodes = cfg.hardware.nodes
+    hosts = slurm_hosts()
+    if len(hosts) < nodes:
+        raise UserError(f"hardware.nodes is {nodes} but the Slurm allocation has "
+                        f"{len(hosts)} node(s); submit with --nodes={nodes} "
+                        f"(slurm resource nodes) or lower hardware.nodes")
+    job = os.environ.get("SLURM_JOB_ID", "ddpflow")
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+           "--kill-on-bad-exit=1", sys.executable, "-m", "torch.distributed.run",
+           f"--nnodes={nodes}", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint={hosts[0]}:{free_port()}", f"--rdzv-id={job}", restarts, *train]
     return cmd, env
 
 
-def _ignore_usr1() -> None:
-    # torchrun has no SIGUSR1 handler and would die of it; its ranks install their own
+def slurm_hosts() -> list[str]:
+    """Host names of the current Slurm allocation, first = rendezvous host."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise UserError("hardware.nodes > 1 runs inside a Slurm allocation of that many "
+                        "nodes (no SLURM_JOB_NODELIST here); use --profile profiles/slurm "
+                        "or sbatch --nodes=N, see docs/slurm.md")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise UserError(f"cannot expand the Slurm node list '{nodelist}' with scontrol ({e})"
+                        ) from None
+    return out.split()
+
+
+def _child_setup() -> None:
+    # runs in the torchrun process before exec: its own process group (so one killpg reaches
+    # torchrun and every rank), no death from SIGUSR1 (torchrun has no handler for it; the
+    # ranks install their own), and SIGTERM if this launcher dies (no orphaned ranks)
+    os.setpgid(0, 0)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
-def _torchrun(cmd: list, env: dict) -> int:
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_ignore_usr1)
+def _torchrun(cmd: list, env: dict) -> tuple[int, str | None]:
+    """Run torchrun; relay stop signals to its process group. Returns (exit code, signal)."""
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_child_setup)
+    got: dict = {"signal": None}
 
-    def forward(signum, _frame):  # preemption: torchrun relays SIGTERM to every rank
-        proc.send_signal(signal.SIGTERM)
+    def forward(signum, _frame):
+        # SIGUSR1 goes to the ranks as it is (torchrun ignores it); SIGTERM/SIGINT become
+        # SIGTERM, which torchrun relays too. Either way every rank checkpoints and stops.
+        got["signal"] = signal.Signals(signum).name
+        sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
-    return proc.wait()
+    return proc.wait(), got["signal"]
+
+
+def _read_failure(out: Path) -> dict | None:
+    try:
+        return json.loads((out / "failed.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = ()) -> int:
@@ -140,17 +197,22 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(resolved, cfg.to_dict())
     if in_image:
-        rc = container.run_stage(cfg, resolved, stage, list(extra_args))
+        rc, stop_signal = container.run_stage(cfg, resolved, stage, list(extra_args)), None
     else:
         write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
-        rc = _torchrun(cmd, env)
+        rc, stop_signal = _torchrun(cmd, env)
     summary = read_summary(out / "summary.json")
+    failed = _read_failure(out)
+    if failed and not summary:
+        print(f"ddpflow: error: stage '{stage}' stopped: {failed['reason']}; the last good "
+              f"checkpoint is kept in {out / 'checkpoints'}", file=sys.stderr)
+        return EXIT_DIVERGED
     if rc == 0 and summary:
         print(f"ddpflow: stage '{stage}' finished: val_acc {summary['final_val_acc']:.4f} "
               f"(best {summary['best_val_acc']:.4f}), {summary['steps']} steps, "
               f"{summary['wall_time_s']:.1f} s -> {out / 'summary.json'}", file=sys.stderr)
         return 0
-    if rc in (0, EXIT_STOPPED):
+    if rc in (0, EXIT_STOPPED) or stop_signal:
         if not in_image:
             print(f"ddpflow: stage '{stage}' stopped at a checkpoint before its end "
                   f"(preempted); run the same command again to resume from "

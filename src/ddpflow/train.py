@@ -200,8 +200,10 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
 
     # ---------------------------------------------------------------- resume
     step, epoch, start_in_epoch, elapsed = 0, 0, 0, 0.0
+    diverged = None  # the reason, once a NaN/inf loss has been seen on any rank
     best = {"val_acc": -1.0, "val_loss": None, "step": None, "epoch": None}
     loss_carry, loss_count = 0.0, 0  # a resumed log interval's partial loss sum
+    skipped_carry = 0
     init_sha = checkpoint.sha256_of(src) if st.init_from else None
     resume_key = config_hash({"stage": cfg.stage_hash(st.name), "code": code_fingerprint(),
                               "init": init_sha})
@@ -217,17 +219,33 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         step, epoch, start_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         elapsed, best = state["elapsed_s"], state["best"]
         loss_carry, loss_count = state["loss_sum"], state["loss_count"]
+        skipped_carry = state.get("skipped_steps", 0)
         if len(state["rng"]) == d.world:
             distributed.set_rng_state(state["rng"][d.rank], d.device)
         say(f"resumed from {path.name}: step {step}, epoch {epoch}")
     distributed.gather_objects(d, None)  # barrier: every rank has read its checkpoint
-    if d.is_master and not found:
-        checkpoint.set_aside(ckpt_dir)  # never mix a fresh run's checkpoints with stale ones
+    if d.is_master:
+        (out / "failed.json").unlink(missing_ok=True)
+        checkpoint.remove_partial(ckpt_dir)  # temp files of a write that was killed
+        if not found:
+            checkpoint.set_aside(ckpt_dir)  # never mix a fresh run's checkpoints with stale ones
     log = MetricsLog(out / "metrics.jsonl", keep_until_step=step) if d.is_master else None
 
-    def save_checkpoint() -> None:
-        # a collective (every rank's RNG state) and file I/O on rank 0: a sync point
-        rngs = distributed.gather_objects(d, distributed.rng_state(d.device))
+    def divergence(bad_steps: list[int], loss_value: float | str = "NaN/inf") -> str:
+        return (f"loss became {loss_value} at step {min(bad_steps)} (epoch {epoch}); lower "
+                f"stages.{cfg.stage_index(st.name)}.lr, add grad_clip or use bf16/fp32")
+
+    def save_checkpoint() -> bool:
+        """Checkpoint unless some rank's loss went bad since the last one (then False)."""
+        nonlocal diverged
+        # a collective (every rank's RNG state, first bad step) and I/O on rank 0: a sync point
+        gathered = distributed.gather_objects(
+            d, (distributed.rng_state(d.device), int(first_bad.item())))
+        rngs = [g[0] for g in gathered]
+        bad_steps = [g[1] for g in gathered if g[1] >= 0]
+        if bad_steps:  # never save weights that a NaN/inf loss has already touched
+            diverged = divergence(bad_steps)
+            return False
         if d.is_master:
             state = {
                 "model": unwrap(model).state_dict(), "optimizer": opt.state_dict(),
@@ -235,11 +253,13 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "step": step, "epoch": epoch, "step_in_epoch": in_epoch * accum,
                 "elapsed_s": elapsed + time.perf_counter() - t_start, "best": best,
                 "loss_sum": float(loss_sum.item()), "loss_count": loss_count,
+                "skipped_steps": int(skipped.item()),
                 "rng": rngs, "stage": st.name, "config": cfg.to_dict(),
                 "config_hash": cfg.hash, "stage_hash": cfg.stage_hash(st.name),
                 "resume_key": resume_key, "init_sha256": init_sha,
             }
             checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
+        return True
 
     # ---------------------------------------------------------------- the loop
     say(f"{cfg.model.name} ({param_count(model) / 1e6:.2f} M params) on {d.world} x "
@@ -250,6 +270,9 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     t_start = time.perf_counter()
     # summed on the device in float64 (no sync per step); restored exactly on resume
     loss_sum = torch.tensor(loss_carry, dtype=torch.float64, device=d.device)
+    step_dev = torch.tensor(step + 1, device=d.device)  # the step being computed, on device
+    first_bad = torch.tensor(-1, device=d.device)  # first step with a NaN/inf loss
+    skipped = torch.tensor(skipped_carry, device=d.device)  # fp16 steps the scaler skipped
     first_interval = True
     in_epoch = start_in_epoch // accum
     halted = False
@@ -270,14 +293,21 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                         loss = criterion(train_model(x), y) / accum
                     scaler.scale(loss).backward()
                 loss_sum += loss.detach()
+                # remember the first step whose loss is not finite (device ops, no sync)
+                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
+                                        step_dev, first_bad)
             if st.grad_clip:
                 scaler.unscale_(opt)
                 nn.utils.clip_grad_norm_(model.parameters(), st.grad_clip)
+            scale_before = scaler._scale.clone() if scaler.is_enabled() else None
             scaler.step(opt)  # skips the step when fp16 gradients overflowed
             scaler.update()
+            if scale_before is not None:  # a skipped step lowered the scale: count it
+                skipped += (scaler._scale < scale_before).squeeze()
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
+            step_dev += 1
             in_epoch += 1
             n_interval += 1
             loss_count += 1
@@ -288,10 +318,15 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 now = time.perf_counter()
                 dt = now - t_interval
                 loss_value = float(loss_sum.item()) / loss_count
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"loss is {loss_value} at step {step} of stage "
-                                             f"'{st.name}'; lower the lr or use bf16/fp32")
-                per_rank = distributed.all_gather_floats(d, [dt / n_interval, wait / dt])
+                # one collective: timings, this rank's first bad step, its stop flag
+                per_rank = distributed.all_gather_floats(
+                    d, [dt / n_interval, wait / dt, float(first_bad.item()),
+                        1.0 if stop["signal"] else 0.0])
+                bad_steps = [int(r[2]) for r in per_rank if r[2] >= 0]
+                if bad_steps:  # every rank sees it and stops; the last checkpoint stays
+                    diverged = divergence(bad_steps, loss_value)
+                    halted = True
+                    break
                 if d.is_master:
                     per_sample = st.batch_size * accum * n_interval
                     log.write({
@@ -299,20 +334,21 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                         "lr": sched.get_last_lr()[0],
                         "samples_per_s": per_sample * d.world / dt,
                         "samples_per_s_per_rank": [per_sample / (t * n_interval)
-                                                   for t, _ in per_rank],
+                                                   for t, *_ in per_rank],
                         "step_time_s": dt / n_interval,
-                        "step_time_s_per_rank": [t for t, _ in per_rank],
+                        "step_time_s_per_rank": [r[0] for r in per_rank],
                         "data_wait_fraction": wait / dt,
                         "peak_mem_mib": peak_memory_mib(d.device),
                         "grad_scale": scaler.get_scale() if scaler.is_enabled() else None,
+                        "skipped_steps": int(skipped.item()),
                         "warmup": first_interval, "time_s": elapsed + now - t_start})
                     bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
                 loss_sum.zero_()
                 loss_count = 0
                 first_interval = False
                 t_interval, wait, n_interval = time.perf_counter(), 0.0, 0
-                # preemption: every rank stops at the same step (one flag all-reduced)
-                if distributed.all_max(d, 1.0 if stop["signal"] else 0.0) > 0:
+                # preemption: every rank stops at the same step
+                if any(r[3] > 0 for r in per_rank):
                     say(f"{stop['signal'] or 'signal'} received: checkpoint at step {step}")
                     save_checkpoint()
                     halted = True
@@ -323,7 +359,9 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 halted = True
                 break
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                save_checkpoint()
+                if not save_checkpoint():
+                    halted = True
+                    break
         if halted:
             break
 
@@ -351,7 +389,8 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
             say(f"epoch {epoch}: val_acc {val_acc:.4f}, val_loss {val_loss:.4f}")
         epoch += 1
         in_epoch = 0
-        save_checkpoint()
+        if not save_checkpoint():
+            break
     bar.close()
     # every rank's weights, hashed and gathered: DDP must have kept them identical
     weight_hashes = distributed.gather_objects(d, weights_sha256(unwrap(model)))
@@ -359,7 +398,11 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     # ---------------------------------------------------------------- end of the stage
     if d.is_master:
         log.close()
-        if not halted:
+        if diverged:
+            write_summary(out / "failed.json", {"stage": st.name, "reason": diverged,
+                                                "step": step})
+            say(f"stopped: {diverged}")
+        elif not halted:
             checkpoint.save_file(out / "final.pt", {"model": unwrap(model).state_dict(),
                                                     "config": cfg.to_dict(), "step": step})
             records, problems = read_records(out / "metrics.jsonl")
@@ -376,6 +419,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "precision": precision, "strategy": st.strategy,
                 "batch_size_per_rank": st.batch_size, "grad_accum_steps": accum,
                 "global_batch": global_batch, "lr_effective": lr,
+                "skipped_steps": int(skipped.item()),
                 "loader": loader_kind, "loader_reason": loader_reason,
                 "container": os.environ.get("DDPFLOW_IN_CONTAINER"),
                 "params": param_count(unwrap(model)), "metrics_problems": problems,

@@ -72,6 +72,8 @@ def slurm_resources():
             res["gpu_model"] = s["gpu_model"]
     else:
         res["cpus_per_task"] = s["cpus"]
+    if config["hardware"]["nodes"] > 1:  # one torchrun per node, started by srun
+        res.update(nodes=config["hardware"]["nodes"], tasks=config["hardware"]["nodes"])
     for key in ("partition", "account"):
         if s[key]:
             res[f"slurm_{key}"] = s[key]

@@ -1,0 +1,197 @@
+"""Real faults on real processes: each run must end with the weights of an uninterrupted
+run (deterministic mode, CPU) and lose no completed step beyond the checkpoint interval."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import REPO, ddpflow, tiny_config, write_config
+
+pytestmark = pytest.mark.slow
+
+EVERY = 10  # checkpoint interval (optimizer steps)
+STAGE = {"name": "s1", "max_steps": 150, "batch_size": 32, "lr": 0.05, "warmup_epochs": 0.2}
+
+
+def setup_run(folder: Path, stage=STAGE, **extra) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {"deterministic": True, "log_every_steps": 5, "stages": [stage],
+                "data": {"train_size": 2048, "image_size": 32},
+                "checkpoint": {"every_steps": EVERY, "keep_last": 3}, **extra}
+    cfg = tiny_config(folder, **settings)
+    p = write_config(folder, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    return p
+
+
+def final_weights(folder: Path, stage="s1") -> dict:
+    return torch.load(folder / f"results/t/stages/{stage}/final.pt", weights_only=True)["model"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def ckpt_steps(folder: Path) -> list[int]:
+    d = folder / "results/t/stages/s1/checkpoints"
+    return sorted(int(p.name[5:14]) for p in d.glob("ckpt-*.pt")) if d.is_dir() else []
+
+
+def start(config: Path, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ddpflow", "launch", "--config", str(config),
+                             "--stage", "s1", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(cond, timeout=120.0, every=0.02):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if cond():
+            return True
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def ranks(proc: subprocess.Popen) -> list[psutil.Process]:
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    return [p for p in kids if "train" in p.cmdline() and "--resolved" in p.cmdline()]
+
+
+def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in tree:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("baseline")
+    p = setup_run(folder)
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    return final_weights(folder)
+
+
+def test_sigkill_of_one_rank_restarts_the_group(tmp_path, baseline):
+    p = setup_run(tmp_path)
+    proc = start(p)
+    wait_for(lambda: ckpt_steps(tmp_path) and ckpt_steps(tmp_path)[-1] >= 3 * EVERY)
+    before = ckpt_steps(tmp_path)[-1]
+    victim = ranks(proc)[-1]
+    victim.kill()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    resumed = [int(line.split("ckpt-")[1][:9]) for line in err.splitlines()
+               if "resumed from ckpt-" in line]
+    assert resumed and resumed[0] >= before, (resumed, before)  # nothing lost beyond EVERY
+    assert_same_weights(final_weights(tmp_path), baseline)
+
+
+def test_sigterm_to_the_job_then_rerun(tmp_path, baseline):
+    p = setup_run(tmp_path)
+    proc = start(p)
+    wait_for(lambda: ckpt_steps(tmp_path) and ckpt_steps(tmp_path)[-1] >= 3 * EVERY)
+    before = ckpt_steps(tmp_path)[-1]
+    os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C, `kill` or a scheduler does to the job
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert "run the same command again" in err
+    assert not (tmp_path / "results/t/stages/s1/final.pt").exists()
+    stopped_at = ckpt_steps(tmp_path)[-1]
+    assert stopped_at >= before and stopped_at < STAGE["max_steps"]
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    assert f"resumed from ckpt-{stopped_at:09d}.pt" in proc.stderr
+    assert_same_weights(final_weights(tmp_path), baseline)
+
+
+def test_corrupted_newest_checkpoint_is_skipped(tmp_path, baseline):
+    p = setup_run(tmp_path)
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", "--halt-after-steps", "25")
+    assert proc.returncode == 75
+    assert ckpt_steps(tmp_path) == [10, 20, 25]
+    newest = tmp_path / "results/t/stages/s1/checkpoints/ckpt-000000025.pt"
+    blob = bytearray(newest.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # one flipped byte
+    newest.write_bytes(bytes(blob))
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    assert "skipping checkpoint ckpt-000000025.pt: checksum mismatch" in proc.stderr
+    assert "resumed from ckpt-000000020.pt" in proc.stderr
+    assert_same_weights(final_weights(tmp_path), baseline)
+
+
+def test_sigkill_while_a_checkpoint_is_written(tmp_path):
+    # resnet18's checkpoint (weights + momentum, ~90 MB) takes long enough to catch mid-write
+    stage = {"name": "s1", "max_steps": 12, "batch_size": 8, "lr": 0.01}
+    extra = {"model": {"name": "resnet18"}, "checkpoint": {"every_steps": 2, "keep_last": 3}}
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = setup_run(ref_dir, stage, **extra)
+    ddpflow("launch", "--config", ref, "--stage", "s1", check=True)
+    p = setup_run(run_dir, stage, **extra)
+    ckdir = run_dir / "results/t/stages/s1/checkpoints"
+    proc = start(p)
+    wait_for(lambda: ckpt_steps(run_dir) and ckpt_steps(run_dir)[-1] >= 4, every=0.01)
+    wait_for(lambda: any(ckdir.glob(".ckpt-*.tmp*")), every=0.001)
+    kill_tree(proc)  # the launcher, torchrun and both ranks, mid-write
+    proc.wait(timeout=60)
+    assert list(ckdir.glob(".ckpt-*.tmp*")), "the kill should have left a partial write"
+    good = ckpt_steps(run_dir)[-1]
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    assert "removing unfinished checkpoint write" in proc.stderr
+    assert f"resumed from ckpt-{good:09d}.pt" in proc.stderr
+    assert not list(ckdir.glob(".ckpt-*.tmp*"))
+    assert_same_weights(final_weights(run_dir), final_weights(ref_dir))
+
+
+def test_hung_rank_fails_within_the_timeout(tmp_path):
+    p = setup_run(tmp_path, hardware={"nproc_per_node": 2, "threads_per_rank": 1,
+                                      "timeout_s": 10, "max_restarts": 0})
+    proc = start(p)
+    wait_for(lambda: ckpt_steps(tmp_path) and ckpt_steps(tmp_path)[-1] >= EVERY)
+    victim = ranks(proc)[-1]
+    victim.suspend()  # a rank stuck: the other one waits in its next collective
+    t0 = time.time()
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        kill_tree(proc) if proc.poll() is None else None
+        try:
+            victim.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert proc.returncode not in (0, 75), err[-2000:]
+    assert time.time() - t0 < 10 + 90
+    assert "failed" in err and ckpt_steps(tmp_path)  # checkpoints are kept
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_checkpoints(tmp_path):
+    # an absurd lr: the first update scales the BatchNorm weights to ~1e28, the next forward
+    # overflows to inf and the loss is NaN at step 2
+    stage = {"name": "s1", "max_steps": 150, "batch_size": 32, "lr": 1e30, "momentum": 0.0,
+             "weight_decay": 0.0}
+    p = setup_run(tmp_path, stage, checkpoint={"every_steps": 1, "keep_last": 3})
+    proc = ddpflow("launch", "--config", p, "--stage", "s1")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "loss became" in proc.stderr and "at step" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    failed = json.loads((tmp_path / "results/t/stages/s1/failed.json").read_text())
+    bad = int(failed["reason"].split("at step ")[1].split()[0])
+    good = ckpt_steps(tmp_path)
+    assert good and max(good) < bad, (good, bad)
+    state = torch.load(tmp_path / f"results/t/stages/s1/checkpoints/ckpt-{max(good):09d}.pt",
+                       weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+    assert not (tmp_path / "results/t/stages/s1/final.pt").exists()
