@@ -7,9 +7,9 @@ import os
 import subprocess
 
 import pytest
-from test_workflow import snakemake, write
 
 from conftest import REPO, ddpflow, tiny_config, write_config
+from test_workflow import snakemake, write
 
 pytestmark = pytest.mark.slow
 BASE = os.environ.get("DDPFLOW_TEST_BASE", "ddpflow-test-base:bookworm-torch2.13-cpu")

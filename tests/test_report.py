@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_workflow import TINY, snakemake, write
 
 from conftest import ddpflow
+from test_workflow import TINY, snakemake, write
 
 pytestmark = pytest.mark.slow
 

@@ -91,7 +91,9 @@ def environment(device: torch.device) -> dict:
     env = {"ddpflow": __version__, "python": platform.python_version(), "torch": torch.__version__,
            "host": socket.gethostname(), "cpu_count": os.cpu_count(), "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-           "nccl": None, "gpus": [], "driver": None}
+           "nccl": None, "gpus": [], "driver": None,
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     if device.type == "cuda":
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -79,6 +79,7 @@ SlurmdLogFile=/var/log/slurm/slurmd.log
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStorageEnforce=associations
+AccountingStorageTRES=gres/gpu
 JobRequeue=1
 KillWait=30
 NodeName=$host CPUs=$(nproc) RealMemory=$mem Gres=gpu:2 State=UNKNOWN

@@ -1,0 +1,119 @@
+"""A real Slurm cluster (tests/setup/slurm.sh): the workflow through the Slurm executor,
+fake GPUs requested and seen, SIGUSR1 from scancel mid-training, and a missing account."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, ddpflow
+from test_workflow import TINY, write
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+FAST_POLL = ["--slurm-init-seconds-before-status-checks", "1",
+             "--seconds-between-status-checks", "1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    assert state.returncode == 0 and state.stdout.strip() in ("idle", "mixed", "allocated"), (
+        "no Slurm cluster: run `bash tests/setup/slurm.sh` (make test does)")
+
+
+def slurm_snakemake(workdir: Path, *args, background=False):
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
+    cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-d", str(workdir),
+           "--configfile", str(workdir / "tiny.yaml"), "--profile",
+           str(REPO / "profiles/slurm"), *FAST_POLL, *args]
+    if background:
+        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def sacct(job: str) -> list[tuple[str, str]]:
+    """(state, allocated resources) of a job, e.g. ('COMPLETED', 'cpu=2,gres/gpu=2,...')."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,AllocTRES"],
+                         capture_output=True, text=True).stdout
+    return [tuple(line.split("|", 1)) for line in out.strip().splitlines()]
+
+
+def test_workflow_on_slurm_with_fake_gpus(tmp_path):
+    cfg = {**TINY, "slurm": {"gpus": 2, "cpus_per_gpu": 1, "mem_mb": 1000, "runtime_min": 10}}
+    write(tmp_path, cfg)
+    proc = slurm_snakemake(tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for stage in ("a", "b"):
+        s = json.loads((tmp_path / f"results/wf/stages/{stage}/summary.json").read_text())
+        env = s["environment"]
+        assert env["slurm_job_id"], "the stage did not run as a Slurm job"
+        assert sorted(env["cuda_visible_devices"].split(",")) == ["0", "1"]
+        assert s["world_size"] == 2 and s["device"] == "cpu"  # no CUDA here: trains on CPU
+        (state, tres), = sacct(env["slurm_job_id"])
+        assert state == "COMPLETED" and "gres/gpu=2" in tres, tres
+    assert (tmp_path / "results/wf/summary/report.html").is_file()
+
+
+def test_scancel_usr1_mid_training_then_retry(tmp_path):
+    stage = {"name": "a", "max_steps": 300, "batch_size": 32, "lr": 0.05}
+    cfg = {**TINY, "deterministic": True, "log_every_steps": 5,
+           "data": {"train_size": 2048, "val_size": 128, "image_size": 32},
+           "checkpoint": {"every_steps": 10, "keep_last": 3}, "stages": [stage],
+           "slurm": {"gpus": 1, "cpus_per_gpu": 2, "mem_mb": 1000, "runtime_min": 10}}
+    # the uninterrupted reference, outside Slurm
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "c.yaml").write_text(json.dumps({**cfg, "results_dir": str(ref / "results")}))
+    ddpflow("prepare", "--config", ref / "c.yaml", check=True)
+    ddpflow("launch", "--config", ref / "c.yaml", "--stage", "a", check=True)
+
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    write(wd, cfg)
+    proc = slurm_snakemake(wd, background=True)
+    ckdir = wd / "results/wf/stages/a/checkpoints"
+    job = None
+    t0 = time.time()
+    while time.time() - t0 < 300:
+        steps = sorted(int(p.name[5:14]) for p in ckdir.glob("ckpt-*.pt")) \
+            if ckdir.is_dir() else []
+        if steps and steps[-1] >= 30:
+            jobs = subprocess.run(["squeue", "-h", "-o", "%i %k"], capture_output=True,
+                                  text=True).stdout.splitlines()
+            job = next((j.split()[0] for j in jobs if "train" in j), None)
+            break
+        time.sleep(0.2)
+    assert job, "the training job never got going"
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    states = [state for state, _ in sacct(job)]
+    assert states and states[0] != "COMPLETED", states  # the signalled attempt stopped early
+    log = (wd / "logs/wf/train_a.log").read_text()
+    assert "resumed from ckpt-" in log
+    a = torch.load(wd / "results/wf/stages/a/final.pt", weights_only=True)["model"]
+    b = torch.load(ref / "results/wf/stages/a/final.pt", weights_only=True)["model"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_missing_slurm_account_is_a_clear_error(tmp_path):
+    cfg = {**TINY, "slurm": {"gpus": 1, "cpus_per_gpu": 1, "mem_mb": 1000, "runtime_min": 5,
+                             "account": "no-such-account"},
+           "stages": [TINY["stages"][0]]}
+    write(tmp_path, cfg)
+    proc = slurm_snakemake(tmp_path)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "no-such-account appears to be invalid" in out, out[-3000:]
+    assert not (tmp_path / "results/wf/stages/a/final.pt").exists()
