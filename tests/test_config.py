@@ -130,3 +130,16 @@ def test_dry_run_prints_one_torchrun_line(tmp_path):
 def test_shipped_configs_validate(name):
     cfg = load_config(REPO / "config" / name)
     assert cfg.stages
+
+
+def test_cuda_requested_without_a_gpu(tmp_path):
+    cfg = tiny_config(tmp_path, hardware={"device": "cuda"})
+    proc = ddpflow("launch", "--config", write_config(tmp_path, cfg), "--stage", "s1",
+                   env={"CUDA_VISIBLE_DEVICES": ""})  # no GPU visible, also on a GPU machine
+    assert_clean_failure(proc, "hardware.device is 'cuda' but no GPU is visible",
+                         results=tmp_path / "results")
+
+
+def test_collect_without_results_folder(tmp_path):
+    proc = ddpflow("collect", "--config", write_config(tmp_path, tiny_config(tmp_path)))
+    assert_clean_failure(proc, "no readable results folder", results=tmp_path / "results")

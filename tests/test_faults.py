@@ -195,3 +195,37 @@ def test_nan_loss_stops_with_the_step_and_keeps_checkpoints(tmp_path):
                        weights_only=True)
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
     assert not (tmp_path / "results/t/stages/s1/final.pt").exists()
+
+
+def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypatch):
+    """hardware.nodes: 2 plans `srun ... torchrun --rdzv-backend=c10d` per node. Here the
+    per-node torchrun runs twice on this machine, as srun would start it on two nodes."""
+    from ddpflow.config import load_config
+    from ddpflow.data.prepared import write_json_atomic
+    from ddpflow.launch import plan
+
+    p = setup_run(tmp_path, {"name": "s1", "max_steps": 10, "batch_size": 32},
+                  hardware={"nodes": 2, "nproc_per_node": 1, "threads_per_rank": 1})
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", "--dry-run",
+                   env={"SLURM_JOB_NODELIST": "", "SLURM_NODELIST": ""})
+    assert proc.returncode == 2 and "Slurm allocation" in proc.stderr
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost,localhost")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    cfg = load_config(p)
+    resolved = cfg.stage_dir("s1") / "config.json"
+    cmd, env = plan(cfg, "s1", resolved)
+    assert cmd[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
+                       "--kill-on-bad-exit=1"]
+    assert "--nnodes=2" in cmd and "--rdzv-backend=c10d" in cmd and "--rdzv-id=4242" in cmd
+    assert any(a.startswith("--rdzv-endpoint=localhost:") for a in cmd)
+    resolved.parent.mkdir(parents=True)
+    write_json_atomic(resolved, cfg.to_dict())
+    per_node = cmd[cmd.index(sys.executable):]
+    agents = [subprocess.Popen(per_node, cwd=REPO, env={**os.environ, **env},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outs = [a.communicate(timeout=300)[0] for a in agents]
+    assert all(a.returncode == 0 for a in agents), outs
+    s = json.loads((tmp_path / "results/t/stages/s1/summary.json").read_text())
+    assert s["world_size"] == 2 and s["weights_in_sync"] and s["steps"] == 10

@@ -26,6 +26,7 @@ from .checkpoint import sha256_of
 from .config import Config
 from .container import git_revision
 from .data.prepared import write_json_atomic
+from .errors import UserError
 from .metrics import read_records
 from .report import render
 from .summary import read_summary
@@ -55,8 +56,11 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         notes += problems
     s = read_summary(folder / "summary.json")
     if s is None:
-        notes.append("not finished: no summary.json" if folder.is_dir()
-                     else "not started: no stage folder")
+        if (folder / "summary.json").is_file():
+            notes.append("not finished: summary.json is unreadable or truncated")
+        else:
+            notes.append("not finished: no summary.json" if folder.is_dir()
+                         else "not started: no stage folder")
         row["steps"] = max((r["step"] for r in records if "step" in r), default=0)
     else:
         row.update({k: s.get(k) for k in COLUMNS if k in s})
@@ -130,6 +134,9 @@ def manifest(cfg: Config, repo: Path) -> dict:
 
 
 def collect(cfg: Config, repo: Path | None = None) -> dict:
+    if not cfg.run_dir.is_dir() or not os.access(cfg.run_dir, os.R_OK | os.X_OK):
+        raise UserError(f"no readable results folder at {cfg.run_dir}: check results_dir and "
+                        f"run in the config, or run the workflow first")
     out = cfg.run_dir / "summary"
     out.mkdir(parents=True, exist_ok=True)
     pairs = [stage_row(cfg, st.name) for st in cfg.stages]
