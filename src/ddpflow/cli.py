@@ -57,6 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("collect", help="summaries, checkpoints, plots and report of a run")
     _config_args(p)
 
+    p = sub.add_parser("tune", help="measure this node; choose batch size, loader, precision")
+    _config_args(p)
+    p.add_argument("--stage", default=None, help="stage to tune for (default: tune.stage, "
+                   "else the first)")
+    p.add_argument("--memory-cap-mb", default=None, metavar="MB[,MB...]",
+                   help="pretend each device has only this much memory (one value, or one "
+                        "per rank): for shared GPUs, and for tests without a GPU")
+
+    p = sub.add_parser("tune-rank", help="one rank's tuning (started by torchrun)")
+    p.add_argument("--resolved", required=True)
+    p.add_argument("--stage", required=True)
+    p.add_argument("--memory-cap-mb", default=None)
+
+    p = sub.add_parser("doctor", help="what this machine offers for training, and advice")
+    _config_args(p)
+
     p = sub.add_parser("train", help="one rank's training (started by torchrun)")
     p.add_argument("--resolved", required=True, help="resolved config JSON written by launch")
     p.add_argument("--stage", required=True)
@@ -74,6 +90,15 @@ def _prepare(cfg, force=False, verify=False) -> None:
     print(describe(meta, cfg.data_dir, did))
 
 
+def _caps(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--memory-cap-mb expects MB or MB,MB,..., got '{text}'") from None
+
+
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
@@ -85,7 +110,26 @@ def run(argv: list[str] | None = None) -> int:
             cfg = from_dict(json.load(f))
         return train_main(cfg, args.stage, args.halt_after_steps)
 
+    if args.command == "tune-rank":
+        import json
+
+        from .tune import run as tune_run
+
+        with open(args.resolved) as f:
+            cfg = from_dict(json.load(f))
+        tune_run(cfg, args.stage, _caps(args.memory_cap_mb))
+        return 0
+
     cfg = load_config(args.config, args.overrides)
+    if args.command == "doctor":
+        from .doctor import report
+
+        print(report(cfg))
+        return 0
+    if args.command == "tune":
+        from .launch import tune
+
+        return tune(cfg, args.stage, args.memory_cap_mb)
     if args.command == "validate":
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         print(f"# config hash {cfg.hash}", file=sys.stderr)

@@ -87,6 +87,17 @@ class ContainerCfg:
 
 
 @dataclass(frozen=True)
+class TuneCfg:
+    enabled: bool  # the workflow runs `ddpflow tune` before the first stage
+    stage: str | None  # the stage whose settings are measured (null = the first)
+    memory_margin: float  # share of device memory left free by the chosen batch
+    start_batch: int  # per GPU; the search doubles from here
+    max_batch: int  # per GPU
+    steps: int  # timed steps per measurement
+    compile: bool  # also measure torch.compile (slow to compile)
+
+
+@dataclass(frozen=True)
 class SlurmCfg:
     gpus: int  # GPUs per training job (Snakemake resource gpu=); 0 = a CPU-only job
     gpu_model: str | None
@@ -105,7 +116,7 @@ class StageCfg:
     name: str
     epochs: int
     max_steps: int | None  # optimizer steps; overrides epochs when set
-    batch_size: int  # samples per rank per micro-step
+    batch_size: int | str  # samples per rank per micro-step ("auto" = from tune.json)
     lr: float  # for lr_reference_batch samples of global batch, see lr_scaling
     lr_scaling: str  # none | linear | sqrt
     lr_reference_batch: int
@@ -137,6 +148,7 @@ class Config:
     hardware: HardwareCfg
     checkpoint: CheckpointCfg
     container: ContainerCfg
+    tune: TuneCfg
     slurm: SlurmCfg
     stages: tuple[StageCfg, ...] = field(default_factory=tuple)
 
@@ -281,7 +293,7 @@ def _build(d: dict[str, Any]) -> Config:
         deterministic=d["deterministic"], log_every_steps=d["log_every_steps"],
         data=DataCfg(**data), model=ModelCfg(**d["model"]), hardware=HardwareCfg(**hw),
         checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
-        slurm=SlurmCfg(**d["slurm"]),
+        tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]),
         stages=tuple(StageCfg(**s) for s in d["stages"]),
     )
 

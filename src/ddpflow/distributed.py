@@ -124,3 +124,12 @@ def broadcast_buffers(d: Dist, module: torch.nn.Module) -> None:
     if d.backend:
         for b in module.buffers():
             dist.broadcast(b, src=0)
+
+
+def broadcast_object(d: Dist, obj):
+    """Rank 0's obj on every rank (a collective)."""
+    if not d.backend:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

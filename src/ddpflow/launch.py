@@ -77,6 +77,11 @@ def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
 def preflight(cfg: Config, stage: str) -> None:
     """Everything a stage needs that can be checked before any rank starts."""
     st = cfg.stage(stage)
+    if st.batch_size == "auto" and not (cfg.run_dir / "tune.json").is_file():
+        raise UserError(f"stages.{cfg.stage_index(stage)}.batch_size is auto but "
+                        f"{cfg.run_dir / 'tune.json'} does not exist: run `ddpflow tune "
+                        f"--config ...` (or set tune.enabled: true in the workflow), or give "
+                        f"a number")
     if prepared.read_meta(cfg.data_dir) is None:
         raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare --config ...`"
                         f" first (or the workflow's data rule)")
@@ -89,12 +94,13 @@ def preflight(cfg: Config, stage: str) -> None:
         raise UserError(f"init_from of stage '{stage}': {st.init_from} does not exist")
 
 
-def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = ()) -> tuple[list, dict]:
-    """The torchrun command line and environment for one stage."""
+def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
+         command: str = "train") -> tuple[list, dict]:
+    """The torchrun command line and environment for one stage (or its tuning)."""
     n, _device, env = resolve_ranks(cfg)
     if cfg.stage(stage).strategy == "dp":
         n = 1  # DataParallel: one process drives every visible GPU
-    train = ["--module", "ddpflow", "train", "--resolved", str(resolved), "--stage", stage,
+    train = ["--module", "ddpflow", command, "--resolved", str(resolved), "--stage", stage,
              *extra_args]
     restarts = f"--max-restarts={cfg.hardware.max_restarts}"
     if cfg.hardware.nodes == 1:
@@ -224,3 +230,27 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
               f"{out / 'checkpoints'} and a rerun resumes from the newest valid one",
               file=sys.stderr)
     return rc if rc > 0 else 1
+
+
+def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
+    """`ddpflow tune`: one torchrun whose ranks measure together; writes <run>/tune.json."""
+    stage = stage or cfg.tune.stage or cfg.stages[0].name
+    cfg.stage(stage)
+    if prepared.read_meta(cfg.data_dir) is None:
+        raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
+    out = cfg.run_dir / "tune"
+    resolved = out / "config.json"
+    extra = [f"--memory-cap-mb={memory_cap_mb}"] if memory_cap_mb else []
+    cmd, env = plan(cfg, stage, resolved, extra, command="tune-rank")
+    print(f"ddpflow: tuning for stage '{stage}': {' '.join(cmd)}", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(resolved, cfg.to_dict())
+    rc, _ = _torchrun(cmd, env)
+    result = cfg.run_dir / "tune.json"
+    if rc != 0 or not result.is_file():
+        print(f"ddpflow: error: tuning failed (torchrun exited with {rc})", file=sys.stderr)
+        return rc or 1
+    choice = json.loads(result.read_text())["choice"]
+    print(f"ddpflow: tuned -> {result}: " + ", ".join(f"{k} {v}" for k, v in choice.items()),
+          file=sys.stderr)
+    return 0

@@ -32,10 +32,12 @@ from . import checkpoint, distributed
 from .config import Config, code_fingerprint, config_hash
 from .data import prepared
 from .data.loaders import Normalize, TrainBatches, choose_loader, val_batches
+from .efficiency import FlopCount, GpuSampler, peak_flops
 from .errors import UserError
-from .metrics import MetricsLog, mean_throughput, read_records
+from .metrics import MetricsLog, efficiency_means, mean_throughput, read_records
 from .models import build_model, input_channels, param_count, unwrap
 from .summary import write_summary
+from .tune import load_choice, tune_path
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -122,7 +124,20 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     # ---------------------------------------------------------------- setup
     d = distributed.setup(cfg.hardware, process_group=st.strategy == "ddp")
     distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
-    precision = pick_precision(st.precision, d.device)
+    # "auto" settings come from tune.json where `ddpflow tune` has measured this node
+    tuned = load_choice(cfg)
+    batch_size = st.batch_size
+    if batch_size == "auto":
+        if tuned is None:
+            raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size is auto but there "
+                            f"is no {tune_path(cfg)}; run `ddpflow tune` first")
+        batch_size = tuned["batch_size"]
+    channels_last, compile_model = st.channels_last, st.compile
+    if st.precision == "auto" and tuned:
+        precision, channels_last = tuned["precision"], tuned["channels_last"]
+        compile_model = compile_model or tuned["compile"]
+    else:
+        precision = pick_precision(st.precision, d.device)
     if d.device.type == "cuda" and precision == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls/convs
         torch.backends.cudnn.allow_tf32 = True
@@ -142,23 +157,29 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     meta, arrays = prepared.load(cfg.data_dir)
     (train_x, train_y), (val_x, val_y) = arrays["train"], arrays["val"]
     nbytes = sum(a.nbytes for pair in arrays.values() for a in pair)
-    loader_kind, loader_reason = choose_loader(cfg.data.loader, nbytes, d.device,
-                                               cfg.data.device_memory_fraction)
+    workers, prefetch = cfg.data.num_workers, cfg.data.prefetch_factor
+    if cfg.data.loader == "auto" and tuned:
+        loader_kind, workers, prefetch = (tuned["loader"], tuned["num_workers"],
+                                          tuned["prefetch_factor"])
+        loader_reason = f"measured fastest by ddpflow tune ({tune_path(cfg)})"
+    else:
+        loader_kind, loader_reason = choose_loader(cfg.data.loader, nbytes, d.device,
+                                                   cfg.data.device_memory_fraction)
     say(f"loader: {loader_kind} ({loader_reason})")
     in_ch = input_channels(cfg.model.name, meta["image_shape"][2])
-    normalize = Normalize(meta["mean"], meta["std"], d.device, in_ch, st.channels_last)
+    normalize = Normalize(meta["mean"], meta["std"], d.device, in_ch, channels_last)
     batches = TrainBatches(
-        loader_kind, train_x, train_y, st.batch_size, d.device, d.world, d.rank, cfg.seed,
-        cfg.data.augment, normalize, cfg.data.num_workers, cfg.data.pin_memory,
-        cfg.data.persistent_workers, cfg.data.prefetch_factor, trace=_trace_file(d.rank))
+        loader_kind, train_x, train_y, batch_size, d.device, d.world, d.rank, cfg.seed,
+        cfg.data.augment, normalize, workers, cfg.data.pin_memory,
+        cfg.data.persistent_workers, prefetch, trace=_trace_file(d.rank))
     accum = st.grad_accum_steps
     steps_per_epoch = len(batches) // accum  # optimizer steps; a trailing partial group is dropped
     if steps_per_epoch == 0:
-        raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size {st.batch_size} x "
+        raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size {batch_size} x "
                         f"{d.world} ranks x {accum} accumulation exceeds the "
                         f"{len(train_y)} training samples; lower the batch size")
     total_steps = st.max_steps or st.epochs * steps_per_epoch
-    global_batch = st.batch_size * d.world * accum
+    global_batch = batch_size * d.world * accum
 
     # ---------------------------------------------------------------- model
     model = build_model(cfg.model.name, meta["num_classes"], in_ch)
@@ -171,7 +192,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         model.load_state_dict(checkpoint.load(src)["model"])
         say(f"initialised from {src}")
     model.to(d.device)
-    if st.channels_last:
+    if channels_last:
         model.to(memory_format=torch.channels_last)
     if d.backend and cfg.model.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -180,7 +201,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     elif d.backend:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
-    train_model = torch.compile(model) if st.compile else model
+    train_model = torch.compile(model) if compile_model else model
 
     # ---------------------------------------------------------------- optimizer, precision
     lr = st.lr * lr_factor(st.lr_scaling, global_batch, st.lr_reference_batch)
@@ -266,7 +287,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     # ---------------------------------------------------------------- the loop
     say(f"{cfg.model.name} ({param_count(model) / 1e6:.2f} M params) on {d.world} x "
         f"{d.device.type}, {precision}, global batch {global_batch} "
-        f"({st.batch_size}/rank x {d.world} x {accum} accum), lr {lr:g}, {total_steps} steps")
+        f"({batch_size}/rank x {d.world} x {accum} accum), lr {lr:g}, {total_steps} steps")
     bar = tqdm(total=total_steps, initial=step, desc=st.name, unit="step", file=sys.stderr,
                disable=not d.is_master or None, dynamic_ncols=True, mininterval=1.0)
     t_start = time.perf_counter()
@@ -277,6 +298,9 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     skipped = torch.tensor(skipped_carry, device=d.device)  # fp16 steps the scaler skipped
     first_interval = True
     in_epoch = start_in_epoch // accum
+    flops_per_micro = None  # FLOPs of one micro-batch, forward + backward, counted once
+    peak = peak_flops(d.device, precision)  # per GPU, or None (CPU, unknown GPU)
+    gpu = GpuSampler(d.device) if d.is_master else None
     halted = False
     while step < total_steps and not halted:
         train_model.train()
@@ -290,10 +314,13 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 wait += time.perf_counter() - t0  # host time blocked waiting for the batch
                 # all-reduce gradients only on the last micro-batch of an accumulation group
                 last = micro == accum - 1 or not hasattr(model, "no_sync")
-                with nullcontext() if last else model.no_sync():
+                counter = FlopCount() if flops_per_micro is None else nullcontext()
+                with counter, nullcontext() if last else model.no_sync():
                     with autocast:
                         loss = criterion(train_model(x), y) / accum
                     scaler.scale(loss).backward()
+                if flops_per_micro is None:
+                    flops_per_micro = counter.total
                 loss_sum += loss.detach()
                 # remember the first step whose loss is not finite (device ops, no sync)
                 first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
@@ -330,13 +357,20 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                     halted = True
                     break
                 if d.is_master:
-                    per_sample = st.batch_size * accum * n_interval
+                    per_sample = batch_size * accum * n_interval
+                    # all ranks do the same work: rank 0's FLOPs x world = the job's FLOPs
+                    flops_s = flops_per_micro * accum * n_interval * d.world / dt
+                    util, gpu_mem = gpu.interval()
                     log.write({
                         "kind": "train", "step": step, "epoch": epoch, "loss": loss_value,
                         "lr": sched.get_last_lr()[0],
                         "samples_per_s": per_sample * d.world / dt,
                         "samples_per_s_per_rank": [per_sample / (t * n_interval)
                                                    for t, *_ in per_rank],
+                        "compute_samples_per_s": per_sample * d.world / max(dt - wait, 1e-9),
+                        "tflops": flops_s / 1e12,
+                        "mfu": flops_s / (peak * d.world) if peak else None,
+                        "gpu_util": util, "gpu_mem_mib": gpu_mem,
                         "step_time_s": dt / n_interval,
                         "step_time_s_per_rank": [r[0] for r in per_rank],
                         "data_wait_fraction": wait / dt,
@@ -372,7 +406,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         distributed.broadcast_buffers(d, net)  # validate every rank with rank 0's BN statistics
         totals = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, count
         with torch.no_grad(), autocast:
-            for x, y in val_batches(val_x, val_y, 2 * st.batch_size, d.device, d.world,
+            for x, y in val_batches(val_x, val_y, 2 * batch_size, d.device, d.world,
                                     d.rank, normalize):
                 logits = net(x).float()
                 totals += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
@@ -394,6 +428,8 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         if not save_checkpoint():
             break
     bar.close()
+    if gpu:
+        gpu.close()
     # every rank's weights, hashed and gathered: DDP must have kept them identical
     weight_hashes = distributed.gather_objects(d, weights_sha256(unwrap(model)))
 
@@ -417,9 +453,14 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
                 "wall_time_s": elapsed + time.perf_counter() - t_start,
                 "mean_samples_per_s": mean_throughput(records),
+                **efficiency_means(records),
+                "flops_per_sample": (flops_per_micro / batch_size
+                                     if flops_per_micro else None),
+                "peak_flops_per_gpu": peak,
                 "world_size": d.world, "device": d.device.type, "backend": d.backend,
                 "precision": precision, "strategy": st.strategy,
-                "batch_size_per_rank": st.batch_size, "grad_accum_steps": accum,
+                "batch_size_per_rank": batch_size, "grad_accum_steps": accum,
+                "channels_last": channels_last, "compile": compile_model, "tuned": tuned,
                 "global_batch": global_batch, "lr_effective": lr,
                 "skipped_steps": int(skipped.item()),
                 "loader": loader_kind, "loader_reason": loader_reason,

@@ -50,6 +50,8 @@ def stage_inputs(wildcards):
     i = STAGES.index(wildcards.stage)
     init = config["stages"][i]["init_from"]
     inputs = {"data": f"{RESULTS}/data/meta.json", "image": f"{RESULTS}/image.json"}
+    if config["tune"]["enabled"]:
+        inputs["tune"] = f"{RESULTS}/tune.json"
     if init == "previous":
         inputs["init"] = f"{RESULTS}/stages/{STAGES[i - 1]}/final.pt"
     elif init:

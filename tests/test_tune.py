@@ -1,0 +1,85 @@
+"""Tuning: the batch search (real logic, injected memory cap), 2 ranks that agree,
+tune.json driving a later stage, and doctor without a GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import ddpflow, tiny_config, write_config
+from ddpflow.tune import find_max_batch
+
+
+@pytest.mark.parametrize("cap", [1, 3, 5, 37, 100, 256, 257, 511, 4096])
+def test_search_converges_on_the_boundary(cap):
+    limit = 512
+    best, trials = find_max_batch(lambda b: b <= cap, start=8, limit=limit)
+    assert best == min(cap, limit)
+    assert len(trials) <= 2 * math.ceil(math.log2(limit)) + 3
+    assert all(ok == (b <= cap) for b, ok in trials)
+
+
+def test_search_when_nothing_fits():
+    assert find_max_batch(lambda b: False, start=8, limit=64)[0] == 0
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tune")
+    cfg = tiny_config(tmp, tune={"steps": 3, "start_batch": 8, "max_batch": 1024},
+                      stages=[{"name": "s1", "max_steps": 6, "batch_size": "auto"}])
+    p = write_config(tmp, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    proc = ddpflow("launch", "--config", p, "--stage", "s1")
+    assert proc.returncode == 2 and "batch_size is auto but" in proc.stderr
+    assert "ddpflow tune" in proc.stderr
+    # two ranks, each with its own (injected) memory: 40 MB and 30 MB
+    proc = ddpflow("tune", "--config", p, "--memory-cap-mb", "40,30", check=True)
+    assert "tuned ->" in proc.stderr
+    return tmp, p, json.loads((tmp / "results/t/tune.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_smaller_memory(tuned):
+    _, _, t = tuned
+    search = t["batch_search"]
+    agreed = search["agreed_max_batch"]
+    r0, r1 = sorted(search["per_rank"], key=lambda r: r["rank"])
+    assert r0["budget_bytes"] > r1["budget_bytes"]
+    mem1 = {int(k): v for k, v in r1["memory_bytes"].items()}
+    # the agreed batch fits the smaller device, the next one tried above it does not
+    assert mem1[agreed] is not None and mem1[agreed] <= r1["budget_bytes"]
+    above = [b for b, ok in r1["own_trials"] if b > agreed]
+    assert above and all(mem1[b] is None for b in above)
+    # rank 0 alone would have taken a batch that rank 1 could not: the minimum won
+    assert any(ok0 and not ok1 for (b0, ok0), (b1, ok1) in zip(r0["own_trials"],
+                                                            r1["own_trials"]))
+    assert r0["trials"] == r1["trials"]  # the same agreed verdicts on both ranks
+    # the choice is the fastest measured candidate, not necessarily the largest
+    best = max(search["candidates"], key=lambda c: c["samples_per_s"])
+    assert t["choice"]["batch_size"] == best["batch_size"] <= agreed
+    assert {r["precision"] for r in t["precision"]} >= {"fp32", "bf16"}
+    assert any(r["loader"] == "device" for r in t["loader"])
+    assert t["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_tune_json_drives_the_stage(tuned):
+    tmp, p, t = tuned
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    s = json.loads((tmp / "results/t/stages/s1/summary.json").read_text())
+    choice = t["choice"]
+    assert s["batch_size_per_rank"] == choice["batch_size"]
+    assert s["global_batch"] == 2 * choice["batch_size"]
+    assert s["precision"] == choice["precision"] and s["loader"] == choice["loader"]
+    assert s["tuned"] == choice and "ddpflow tune" in s["loader_reason"]
+
+
+def test_doctor_without_a_gpu(tmp_path):
+    proc = ddpflow("doctor", "--config", write_config(tmp_path, tiny_config(tmp_path)),
+                   env={"CUDA_VISIBLE_DEVICES": ""}, check=True)
+    out = proc.stdout
+    assert "none visible" in out and "CPU cores" in out and "/dev/shm" in out
+    assert "recommendations:" in out and "no GPU" in out
