@@ -1,0 +1,168 @@
+"""ddpflow's trainer vs a reference loop as torchvision's reference script writes it, and vs
+the compute-only limit: same model, data, global batch and precision.
+
+    python bench/trainer_vs_reference.py [--model resnet18] [--steps 60] [--rounds 2]
+
+  ddpflow       `ddpflow launch` (real torchrun, 1 rank, all cores): device loader, batched
+                augmentation; its summary's mean samples/s (first log interval left out);
+                run with and without channels_last, the better one counts
+  reference     DataLoader + DistributedSampler over decoded PIL images with per-sample
+                transforms (RandomCrop pad 4, flip, ToTensor, Normalize), workers,
+                autocast + GradScaler, as torchvision's references/classification/train.py
+  compute-only  the same model and batch with the batches already in memory, in its best
+                memory format (contiguous or channels_last, both measured)
+Rounds alternate the variants; each keeps its best round. Prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from ddpflow.config import from_dict
+from ddpflow.data import prepared
+from ddpflow.data.loaders import Normalize, TrainBatches
+from ddpflow.data.prepare import prepare
+from ddpflow.models import build_model
+
+BATCH, WARMUP = 128, 10
+
+
+def config(tmp: Path, name: str, args, channels_last: bool) -> dict:
+    return {"run": "bench", "results_dir": str(tmp / "results"), "log_every_steps": 10,
+            "data": {"train_size": 8192, "val_size": 256, "loader": "device"},
+            "model": {"name": args.model},
+            "hardware": {"nproc_per_node": 1, "device": "cpu"},
+            "checkpoint": {"every_steps": 0, "resume": "never"},
+            "stages": [{"name": name, "max_steps": args.steps + WARMUP, "batch_size": BATCH,
+                        "lr": 0.05, "precision": "bf16", "channels_last": channels_last}]}
+
+
+def ddpflow_run(tmp: Path, name: str, args, channels_last: bool) -> float:
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config(tmp, name, args, channels_last)))
+    subprocess.run([sys.executable, "-m", "ddpflow", "launch", "-c", str(path), "--stage", name],
+                   check=True, capture_output=True)
+    s = json.loads((tmp / "results/bench/stages" / name / "summary.json").read_text())
+    return s["mean_samples_per_s"]
+
+
+def timed_loop(model, batches, steps, channels_last=False) -> float:
+    # the trainer's optimizer: SGD, nesterov momentum, weight decay on weights only
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    rest = [p for p in model.parameters() if p.ndim <= 1]
+    opt = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4},
+                           {"params": rest, "weight_decay": 0.0}], lr=0.01, momentum=0.9,
+                          nesterov=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # bf16 needs no scaling
+    crit = nn.CrossEntropyLoss()
+    it = iter(batches)
+    t0, n = time.perf_counter(), 0
+    for i in range(steps + WARMUP):
+        if i == WARMUP:
+            t0, n = time.perf_counter(), 0
+        x, y = next(it)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = crit(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        n += len(y)
+    return n / (time.perf_counter() - t0)
+
+
+def reference_batches(images, labels, mean, std, workers):
+    import torchvision.transforms as T
+    from PIL import Image
+
+    class Folder(torch.utils.data.Dataset):
+        def __init__(self):
+            self.pil = [Image.fromarray(x) for x in images]
+            self.tf = T.Compose([T.RandomCrop(images.shape[1], padding=4),
+                                 T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+
+        def __len__(self):
+            return len(self.pil)
+
+        def __getitem__(self, i):
+            return self.tf(self.pil[i]), int(labels[i])
+
+    ds = Folder()
+    sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=1, rank=0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, sampler=sampler,
+                                         num_workers=workers, drop_last=True,
+                                         persistent_workers=workers > 0)
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    best = {"ddpflow": 0.0, "ddpflow (channels_last)": 0.0, "reference": 0.0,
+            "compute-only": 0.0, "compute-only (channels_last)": 0.0}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        cfg = from_dict(config(tmp, "p", args, False))
+        prepare(cfg)
+        meta, arrays = prepared.load(cfg.data_dir)
+        images, labels = arrays["train"]
+        dev = torch.device("cpu")
+        norm = Normalize(meta["mean"], meta["std"], dev, 3, False)
+        tb = TrainBatches("device", images, labels, BATCH, dev, 1, 0, 0, cfg.data.augment, norm)
+        cached = [(x.clone(), y.clone()) for x, y in tb.epoch(0)]
+
+        def cycle(xs):
+            while True:
+                yield from xs
+
+        ref = reference_batches(images, labels, meta["mean"], meta["std"], args.workers)
+        for r in range(args.rounds):
+            best["ddpflow"] = max(best["ddpflow"], ddpflow_run(tmp, f"a{r}", args, False))
+            best["ddpflow (channels_last)"] = max(best["ddpflow (channels_last)"],
+                                                  ddpflow_run(tmp, f"b{r}", args, True))
+            model = build_model(args.model, 10, 3)
+            best["reference"] = max(best["reference"], timed_loop(model, ref, args.steps))
+            model = build_model(args.model, 10, 3)
+            best["compute-only"] = max(best["compute-only"],
+                                       timed_loop(model, cycle(cached), args.steps))
+            model = build_model(args.model, 10, 3).to(memory_format=torch.channels_last)
+            best["compute-only (channels_last)"] = max(
+                best["compute-only (channels_last)"],
+                timed_loop(model, cycle(cached), args.steps, channels_last=True))
+            print(f"round {r}: " + ", ".join(f"{k} {v:.0f}" for k, v in best.items()),
+                  file=sys.stderr)
+    ours = max(best["ddpflow"], best["ddpflow (channels_last)"])
+    limit = max(best["compute-only"], best["compute-only (channels_last)"])
+    print(f"{args.model}, 32 px, batch {BATCH}, bf16, {torch.get_num_threads()} threads, "
+          f"{args.workers} reference workers, best of {args.rounds} rounds x {args.steps} steps")
+    for k, v in best.items():
+        print(f"  {k:30s} {v:8.0f} samples/s")
+    print(f"  ddpflow / reference loop:  {ours / best['reference']:.2f}x")
+    print(f"  ddpflow / compute-only:    {ours / limit:.3f}")
+    print(f"  compute-only / reference:  {limit / best['reference']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
