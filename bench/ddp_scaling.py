@@ -10,14 +10,11 @@ each stage's mean samples/s without its first log interval. Prints the speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import yaml
+from common import launch_stage
 
 
 def run(tmp: Path, name: str, ranks: int, global_batch: int, args) -> float:
@@ -31,14 +28,7 @@ def run(tmp: Path, name: str, ranks: int, global_batch: int, args) -> float:
         "stages": [{"name": name, "max_steps": args.steps, "batch_size": global_batch // ranks,
                     "lr": 0.05, "precision": args.precision}],
     }
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    subprocess.run([sys.executable, "-m", "ddpflow", "prepare", "-c", path], check=True,
-                   capture_output=True)
-    subprocess.run([sys.executable, "-m", "ddpflow", "launch", "-c", path, "--stage", name],
-                   check=True, capture_output=True)
-    summary = json.loads((tmp / "results/bench/stages" / name / "summary.json").read_text())
-    return summary["mean_samples_per_s"]
+    return launch_stage(tmp, name, cfg)["mean_samples_per_s"]
 
 
 def main() -> None:

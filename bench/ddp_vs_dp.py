@@ -10,14 +10,12 @@ DDP(N) / DP(N), DDP(N) / DDP(1) and the per-GPU scaling efficiency.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-import yaml
+from common import launch_stage
 
 
 def run(tmp: Path, name: str, ranks: int, strategy: str, global_batch: int, args) -> float:
@@ -32,14 +30,7 @@ def run(tmp: Path, name: str, ranks: int, strategy: str, global_batch: int, args
            "stages": [{"name": name, "max_steps": args.steps, "strategy": strategy,
                        "batch_size": global_batch // (ranks if strategy == "ddp" else 1),
                        "precision": "bf16", "channels_last": True, "lr": 0.1}]}
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    subprocess.run([sys.executable, "-m", "ddpflow", "prepare", "-c", path], check=True,
-                   capture_output=True)
-    subprocess.run([sys.executable, "-m", "ddpflow", "launch", "-c", path, "--stage", name],
-                   check=True, capture_output=True)
-    s = json.loads((tmp / "results/bench/stages" / name / "summary.json").read_text())
-    return s["mean_samples_per_s"]
+    return launch_stage(tmp, name, cfg)["mean_samples_per_s"]
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import tempfile
 import time
 
 import torch
+from common import pil_loader
 from torch import nn
 
 from ddpflow.config import from_dict
@@ -28,27 +29,6 @@ from ddpflow.data import prepared
 from ddpflow.data.loaders import Normalize, TrainBatches
 from ddpflow.data.prepare import prepare
 from ddpflow.models import build_model
-
-
-def plain_loader(images, labels, batch, mean, std, workers):
-    import torchvision.transforms as T
-    from PIL import Image
-
-    class PILSet(torch.utils.data.Dataset):
-        def __init__(self):
-            self.pil = [Image.fromarray(x) for x in images]  # decoded images, as in CIFAR10()
-            self.tf = T.Compose([T.RandomCrop(images.shape[1], padding=4),
-                                 T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
-
-        def __len__(self):
-            return len(self.pil)
-
-        def __getitem__(self, i):
-            return self.tf(self.pil[i]), int(labels[i])
-
-    return torch.utils.data.DataLoader(PILSet(), batch_size=batch, shuffle=True,
-                                       num_workers=workers, drop_last=True,
-                                       persistent_workers=workers > 0)
 
 
 def timed(model, opt, batches, steps, precision):
@@ -107,7 +87,7 @@ def main() -> None:
             "compute-only": lambda: forever(lambda e: cached),
             "device": lambda: forever(device_tb.epoch),
             "dataloader": lambda: forever(dl_tb.epoch),
-            "plain": lambda: forever(lambda e: plain_loader(
+            "plain": lambda: forever(lambda e: pil_loader(
                 images, labels, args.batch, meta["mean"], meta["std"], args.workers)),
         }
         model = build_model(args.model, 10, 3)

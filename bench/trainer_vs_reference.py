@@ -17,16 +17,14 @@ Rounds alternate the variants; each keeps its best round. Prints the ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import yaml
+from common import launch_stage, pil_loader
 from torch import nn
 
 from ddpflow.config import from_dict
@@ -49,12 +47,8 @@ def config(tmp: Path, name: str, args, channels_last: bool) -> dict:
 
 
 def ddpflow_run(tmp: Path, name: str, args, channels_last: bool) -> float:
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config(tmp, name, args, channels_last)))
-    subprocess.run([sys.executable, "-m", "ddpflow", "launch", "-c", str(path), "--stage", name],
-                   check=True, capture_output=True)
-    s = json.loads((tmp / "results/bench/stages" / name / "summary.json").read_text())
-    return s["mean_samples_per_s"]
+    return launch_stage(tmp, name, config(tmp, name, args, channels_last),
+                        prepare=False)["mean_samples_per_s"]
 
 
 def timed_loop(model, batches, steps, channels_last=False) -> float:
@@ -85,29 +79,14 @@ def timed_loop(model, batches, steps, channels_last=False) -> float:
 
 
 def reference_batches(images, labels, mean, std, workers):
-    import torchvision.transforms as T
-    from PIL import Image
+    """The reference script's input: DistributedSampler + DataLoader over PIL images."""
+    def sampler(ds):
+        return torch.utils.data.distributed.DistributedSampler(ds, num_replicas=1, rank=0)
 
-    class Folder(torch.utils.data.Dataset):
-        def __init__(self):
-            self.pil = [Image.fromarray(x) for x in images]
-            self.tf = T.Compose([T.RandomCrop(images.shape[1], padding=4),
-                                 T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
-
-        def __len__(self):
-            return len(self.pil)
-
-        def __getitem__(self, i):
-            return self.tf(self.pil[i]), int(labels[i])
-
-    ds = Folder()
-    sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=1, rank=0)
-    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, sampler=sampler,
-                                         num_workers=workers, drop_last=True,
-                                         persistent_workers=workers > 0)
+    loader = pil_loader(images, labels, BATCH, mean, std, workers, sampler=sampler)
     epoch = 0
     while True:
-        sampler.set_epoch(epoch)
+        loader.sampler.set_epoch(epoch)
         yield from loader
         epoch += 1
 

@@ -33,46 +33,41 @@ def _boundaries(ax, series, offset_index):
                 color="0.35")
 
 
-def loss_accuracy(stages, path: Path) -> Path:
-    series = _stage_series(stages)
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for name, s0, _, train, val in series:
-        a1.plot([s0 + r["step"] for r in train], [r["loss"] for r in train], label=name)
-        a2.plot([s0 + r["step"] for r in val], [r["val_acc"] for r in val], marker="o",
-                label=name)
-    a1.set_ylabel("training loss")
-    a2.set_ylabel("validation accuracy")
-    a2.set_xlabel("optimizer step (all stages)")
-    for ax in (a1, a2):
-        _boundaries(ax, series, 1)
+def _two_panels(series, path: Path, title: str, xlabel: str, by_time: bool,
+                top: tuple[str, str], bottom: tuple[str, str], kinds=("train", "train"),
+                scale: tuple[float, float] = (1.0, 1.0), markers=(None, None)) -> Path:
+    """Two stacked panels sharing x (step or time across stages); one line per stage."""
+    fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for ax, (key, label), kind, k, marker in zip(axes, (top, bottom), kinds, scale, markers):
+        for name, s0, t0, train, val in series:
+            recs = train if kind == "train" else val
+            xs = [(t0 + r["time_s"]) if by_time else (s0 + r["step"]) for r in recs]
+            ax.plot(xs, [k * r[key] for r in recs], marker=marker, label=name)
+        ax.set_ylabel(label)
+        _boundaries(ax, series, 2 if by_time else 1)
         ax.grid(alpha=0.3)
-    a1.legend(fontsize=8)
-    fig.suptitle("Loss and accuracy")
+    axes[0].legend(fontsize=8)
+    axes[1].set_xlabel(xlabel)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def loss_accuracy(stages, path: Path) -> Path:
+    return _two_panels(_stage_series(stages), path, "Loss and accuracy",
+                       "optimizer step (all stages)", False, ("loss", "training loss"),
+                       ("val_acc", "validation accuracy"), kinds=("train", "val"),
+                       markers=(None, "o"))
 
 
 def throughput(stages, path: Path) -> Path:
-    series = _stage_series(stages)
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for name, _, t0, train, _ in series:
-        t = [t0 + r["time_s"] for r in train]
-        a1.plot(t, [r["samples_per_s"] for r in train], label=name)
-        a2.plot(t, [100 * r["data_wait_fraction"] for r in train], label=name)
-    a1.set_ylabel("samples/s (all ranks)")
-    a2.set_ylabel("waiting for data (% of step time)")
-    a2.set_xlabel("training time (s, all stages)")
-    for ax in (a1, a2):
-        _boundaries(ax, series, 2)
-        ax.grid(alpha=0.3)
-    a1.legend(fontsize=8)
-    fig.suptitle("Throughput and data wait")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _two_panels(_stage_series(stages), path, "Throughput and data wait",
+                       "training time (s, all stages)", True,
+                       ("samples_per_s", "samples/s (all ranks)"),
+                       ("data_wait_fraction", "waiting for data (% of step time)"),
+                       scale=(1.0, 100.0))
 
 
 def rank_step_times(stages, path: Path) -> Path:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -164,7 +163,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     meta, arrays = prepared.load(cfg.data_dir)
     images, labels = arrays["train"]
     in_ch = input_channels(cfg.model.name, meta["image_shape"][2])
-    from .train import pick_precision
+    from .runtime import pick_precision
 
     precision = pick_precision("auto" if st.precision == "auto" else st.precision, d.device)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -221,8 +220,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
             while True:
                 yield from tb.epoch(e)
                 e += 1
-        with nullcontext():
-            sps, wait = _throughput(run_model, forever(), tc.steps, dtypes[prec], d.device, opt)
+        sps, wait = _throughput(run_model, forever(), tc.steps, dtypes[prec], d.device, opt)
         return {"samples_per_s": sps * d.world, "data_wait_fraction": wait}
 
     default_loader = cfg.data.loader if cfg.data.loader != "auto" else "device"

@@ -1,0 +1,86 @@
+"""Facts and rules a training run needs that are not the loop itself: the precision
+choice, the LR rule and schedule, memory and environment readings, weight hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import resource
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def pick_precision(setting: str, device: torch.device) -> str:
+    """auto = bf16 where the hardware does it natively (Ampere+ GPUs, CPUs), else fp16."""
+    if setting != "auto":
+        return setting
+    if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bf16"
+    return "fp16"
+
+
+def lr_factor(rule: str, global_batch: int, reference: int) -> float:
+    """`lr` is stated for `reference` samples per optimizer step; this rescales it."""
+    ratio = global_batch / reference
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+
+
+def schedule(kind: str, warmup: int, total: int):
+    """Multiplier of the base LR at optimizer step s: linear warm-up, then the decay."""
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if kind == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (s - warmup) / (total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1 - progress
+    return f
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def weights_sha256(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def environment(device: torch.device) -> dict:
+    """Versions and hardware this stage really ran on (recorded by rank 0)."""
+    import platform
+    import socket
+
+    from . import __version__
+
+    env = {"ddpflow": __version__, "python": platform.python_version(), "torch": torch.__version__,
+           "host": socket.gethostname(), "cpu_count": os.cpu_count(), "cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+           "nccl": None, "gpus": [], "driver": None,
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    if device.type == "cuda":
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001 - nvidia-ml-py is optional; the driver stays unknown
+            pass
+    return env
+
+
+def trace_file(rank: int):
+    # DDPFLOW_SAMPLE_TRACE=<folder>: each rank lists the sample indices it trained on
+    folder = os.environ.get("DDPFLOW_SAMPLE_TRACE")
+    return open(Path(folder) / f"rank{rank}.txt", "a", buffering=1) if folder else None
