@@ -123,7 +123,7 @@ def test_dry_run_prints_one_torchrun_line(tmp_path):
                    "--stage", "s1", "--dry-run", check=True)
     assert proc.stderr.count("torch.distributed.run") == 1
     assert "--nproc-per-node=2" in proc.stderr and "--max-restarts=2" in proc.stderr
-    assert "--master-addr=127.0.0.1" in proc.stderr
+    assert "--rdzv-backend=c10d" in proc.stderr and "--rdzv-endpoint=127.0.0.1:" in proc.stderr
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "config").glob("*.yaml")))

@@ -1,8 +1,9 @@
 """`ddpflow launch`: check everything a stage needs, then run one torchrun for it.
 
-One torchrun with N ranks per stage (never N copies of the job). A static rendezvous
-on 127.0.0.1 with a free port is used: it survives `--max-restarts` where the
-standalone store does not (stale addresses, pytorch issue 135712).
+One torchrun with N ranks per stage (never N copies of the job). The rendezvous is c10d
+on 127.0.0.1 with a free port and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: it survives
+`--max-restarts`, where a shared or static store can hand a restarted rank the address
+of a dead peer (stale addresses, pytorch issue 135712).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
     cores = os.cpu_count() or 1
     threads = (max(1, cores // n) if hw.threads_per_rank == "auto" else int(hw.threads_per_rank))
     env.update(OMP_NUM_THREADS=str(threads), DDPFLOW_THREADS=str(threads),
-               PYTHONUNBUFFERED="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+               PYTHONUNBUFFERED="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     if cfg.deterministic:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     return n, device, env
@@ -104,9 +106,12 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
              *extra_args]
     restarts = f"--max-restarts={cfg.hardware.max_restarts}"
     if cfg.hardware.nodes == 1:
+        # a c10d rendezvous on this machine: every restart round gets fresh store keys, so a
+        # restarted rank never dials a dead peer's address (pytorch issue 135712)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-               f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", restarts, *train]
+               f"--nproc-per-node={n}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={stage}-{os.getpid()}",
+               restarts, *train]
         return cmd, env
     # several nodes: one torchrun per node through srun, meeting at a c10d rendezvous
     # on the first node of the Slurm allocation (where this launcher runs)

@@ -2,7 +2,7 @@
 
 Every rank of the node runs this, started by torchrun (`ddpflow launch` builds the line):
 
-    torchrun --nnodes=1 --nproc_per_node=8 --master-addr=127.0.0.1 --master-port=29500 \
+    torchrun --nnodes=1 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29500 \
         --max-restarts=2 -m ddpflow train --resolved results/<run>/stages/<stage>/config.json \
         --stage <stage>
 
