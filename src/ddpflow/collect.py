@@ -65,10 +65,6 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
     else:
         row.update({k: s.get(k) for k in COLUMNS if k in s})
         row["finished"] = True
-        train = [r for r in records if r.get("kind") == "train" and not r.get("warmup")]
-        if train:
-            row["data_wait_fraction"] = sum(r["data_wait_fraction"] for r in train) / len(train)
-            row["peak_mem_mib"] = max(r["peak_mem_mib"] for r in train)
         if row.get("mean_samples_per_s") is not None:
             row["samples_per_s_per_rank"] = row["mean_samples_per_s"] / s["world_size"]
     for kind in ("final", "best"):

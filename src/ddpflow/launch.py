@@ -97,9 +97,10 @@ def preflight(cfg: Config, stage: str) -> None:
 
 
 def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
-         command: str = "train") -> tuple[list, dict]:
-    """The torchrun command line and environment for one stage (or its tuning)."""
-    n, _device, env = resolve_ranks(cfg)
+         command: str = "train", ranks: tuple | None = None) -> tuple[list, dict]:
+    """The torchrun command line and environment for one stage (or its tuning);
+    `ranks` is resolve_ranks(cfg) where the caller has it already."""
+    n, _device, env = ranks or resolve_ranks(cfg)
     if cfg.stage(stage).strategy == "dp":
         n = 1  # DataParallel: one process drives every visible GPU
     train = ["--module", "ddpflow", command, "--resolved", str(resolved), "--stage", stage,
@@ -197,8 +198,10 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
         print(f"ddpflow: stage '{stage}' runs in the {cfg.container.engine} image "
               f"{cfg.container.image}", file=sys.stderr)
     else:
-        n, device, _ = resolve_ranks(cfg)
-        cmd, env = plan(cfg, stage, resolved, list(extra_args))
+        ranks = resolve_ranks(cfg)
+        n, device, _ = ranks
+        n = 1 if st.strategy == "dp" else n  # DataParallel: one process for every GPU
+        cmd, env = plan(cfg, stage, resolved, list(extra_args), ranks=ranks)
         shown = " ".join(f"{k}={v}" for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES")
         print(f"ddpflow: stage '{stage}': {n} rank(s) on {device}", file=sys.stderr)
         print(f"ddpflow: {shown + ' ' if shown else ''}{' '.join(cmd)}", file=sys.stderr)

@@ -45,20 +45,17 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     return records, problems
 
 
-def mean_throughput(records: list[dict]) -> float | None:
-    """Mean global samples/s over train intervals, leaving out each start's warm-up interval."""
-    xs = [r["samples_per_s"] for r in records if r.get("kind") == "train" and not r.get("warmup")]
-    return sum(xs) / len(xs) if xs else None
-
-
 def efficiency_means(records: list[dict]) -> dict:
-    """Means over train intervals (warm-up left out) of the efficiency figures."""
+    """Means over train intervals, each start's warm-up interval left out (peak memory:
+    the largest)."""
     train = [r for r in records if r.get("kind") == "train" and not r.get("warmup")]
 
     def mean(key):
         xs = [r[key] for r in train if r.get(key) is not None]
         return sum(xs) / len(xs) if xs else None
 
-    return {"mean_compute_samples_per_s": mean("compute_samples_per_s"),
+    return {"mean_samples_per_s": mean("samples_per_s"),
+            "mean_compute_samples_per_s": mean("compute_samples_per_s"),
             "mean_tflops": mean("tflops"), "mfu": mean("mfu"),
-            "data_wait_fraction": mean("data_wait_fraction"), "gpu_util": mean("gpu_util")}
+            "data_wait_fraction": mean("data_wait_fraction"), "gpu_util": mean("gpu_util"),
+            "peak_mem_mib": max((r["peak_mem_mib"] for r in train), default=None)}

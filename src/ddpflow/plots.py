@@ -25,9 +25,9 @@ def _stage_series(stages: list[tuple[str, list[dict]]]):
     return out
 
 
-def _boundaries(ax, series, offset_index):
+def _boundaries(ax, series, by_time: bool):
     for name, s0, t0, *_ in series:
-        x = s0 if offset_index == 1 else t0
+        x = t0 if by_time else s0
         ax.axvline(x, color="0.75", lw=0.8, ls="--")
         ax.text(x, 1.0, f" {name}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
                 color="0.35")
@@ -44,7 +44,7 @@ def _two_panels(series, path: Path, title: str, xlabel: str, by_time: bool,
             xs = [(t0 + r["time_s"]) if by_time else (s0 + r["step"]) for r in recs]
             ax.plot(xs, [k * r[key] for r in recs], marker=marker, label=name)
         ax.set_ylabel(label)
-        _boundaries(ax, series, 2 if by_time else 1)
+        _boundaries(ax, series, by_time)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     axes[1].set_xlabel(xlabel)
@@ -83,7 +83,7 @@ def rank_step_times(stages, path: Path) -> Path:
                     label=f"{name} rank {r}", lw=1)
     ax.set_ylabel("step time (ms)")
     ax.set_xlabel("optimizer step (all stages)")
-    _boundaries(ax, series, 1)
+    _boundaries(ax, series, False)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=4)
     fig.suptitle("Step time per rank")

@@ -31,7 +31,7 @@ from .data import prepared
 from .data.loaders import Normalize, TrainBatches, choose_loader, val_batches
 from .efficiency import FlopCount, GpuSampler, peak_flops
 from .errors import UserError
-from .metrics import MetricsLog, efficiency_means, mean_throughput, read_records
+from .metrics import MetricsLog, efficiency_means, read_records
 from .models import build_model, input_channels, param_count, unwrap
 from .runtime import (
     environment,
@@ -387,7 +387,6 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "best_step": best["step"],
                 "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
                 "wall_time_s": elapsed + time.perf_counter() - t_start,
-                "mean_samples_per_s": mean_throughput(records),
                 **efficiency_means(records),
                 "flops_per_sample": (flops_per_micro / batch_size
                                      if flops_per_micro else None),
