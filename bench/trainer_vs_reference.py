@@ -1,17 +1,19 @@
 """ddpflow's trainer vs a reference loop as torchvision's reference script writes it, and vs
 the compute-only limit: same model, data, global batch and precision.
 
-    python bench/trainer_vs_reference.py [--model resnet18] [--steps 60] [--rounds 2]
+    python bench/trainer_vs_reference.py [--model resnet18] [--steps 60] [--rounds 3]
 
   ddpflow       `ddpflow launch` (real torchrun, 1 rank, all cores): device loader, batched
                 augmentation; its summary's mean samples/s (first log interval left out);
                 run with and without channels_last, the better one counts
   reference     DataLoader + DistributedSampler over decoded PIL images with per-sample
                 transforms (RandomCrop pad 4, flip, ToTensor, Normalize), workers,
-                autocast + GradScaler, as torchvision's references/classification/train.py
-  compute-only  the same model and batch with the batches already in memory, in its best
-                memory format (contiguous or channels_last, both measured)
-Rounds alternate the variants; each keeps its best round. Prints the ratios.
+                autocast + GradScaler, SGD in torch's default implementation, as torchvision's
+                references/classification/train.py
+  compute-only  the same model, batch and optimizer as ddpflow's trainer (fused SGD) with the
+                batches already in memory, in its best memory format (contiguous or
+                channels_last, both measured)
+Rounds alternate the variants; each keeps its best round. Prints the ratios, also per round.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ddpflow.data import prepared
 from ddpflow.data.loaders import Normalize, TrainBatches
 from ddpflow.data.prepare import prepare
 from ddpflow.models import build_model
+from ddpflow.runtime import build_optimizer
 
 BATCH, WARMUP = 128, 10
 
@@ -51,13 +54,17 @@ def ddpflow_run(tmp: Path, name: str, args, channels_last: bool) -> float:
                         prepare=False)["mean_samples_per_s"]
 
 
-def timed_loop(model, batches, steps, channels_last=False) -> float:
-    # the trainer's optimizer: SGD, nesterov momentum, weight decay on weights only
+def reference_optimizer(model):
+    # references/classification/train.py: SGD with nesterov momentum and weight decay, torch's
+    # default implementation (on the CPU, one tensor at a time); no decay on norms and biases
     decay = [p for p in model.parameters() if p.ndim > 1]
     rest = [p for p in model.parameters() if p.ndim <= 1]
-    opt = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4},
-                           {"params": rest, "weight_decay": 0.0}], lr=0.01, momentum=0.9,
-                          nesterov=True)
+    return torch.optim.SGD([{"params": decay, "weight_decay": 5e-4},
+                            {"params": rest, "weight_decay": 0.0}], lr=0.01, momentum=0.9,
+                           nesterov=True)
+
+
+def timed_loop(model, opt, batches, steps) -> float:
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # bf16 needs no scaling
     crit = nn.CrossEntropyLoss()
     it = iter(batches)
@@ -66,8 +73,6 @@ def timed_loop(model, batches, steps, channels_last=False) -> float:
         if i == WARMUP:
             t0, n = time.perf_counter(), 0
         x, y = next(it)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = crit(model(x), y)
         scaler.scale(loss).backward()
@@ -95,7 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="resnet18")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -117,29 +122,48 @@ def main() -> None:
                 yield from xs
 
         ref = reference_batches(images, labels, meta["mean"], meta["std"], args.workers)
+        cached_cl = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in cached]
+        st = cfg.stage("p")
+
+        def compute_only(batches, layout):
+            model = build_model(args.model, 10, 3).to(memory_format=layout)
+            return timed_loop(model, build_optimizer(model, st, 0.05, dev), cycle(batches),
+                              args.steps)
+
+        def reference():
+            model = build_model(args.model, 10, 3)
+            return timed_loop(model, reference_optimizer(model), ref, args.steps)
+
+        variants = {
+            "ddpflow": lambda r: ddpflow_run(tmp, f"a{r}", args, False),
+            "ddpflow (channels_last)": lambda r: ddpflow_run(tmp, f"b{r}", args, True),
+            "reference": lambda r: reference(),
+            "compute-only": lambda r: compute_only(cached, torch.contiguous_format),
+            "compute-only (channels_last)": lambda r: compute_only(cached_cl,
+                                                                   torch.channels_last),
+        }
+        runs = {k: [] for k in variants}
         for r in range(args.rounds):
-            best["ddpflow"] = max(best["ddpflow"], ddpflow_run(tmp, f"a{r}", args, False))
-            best["ddpflow (channels_last)"] = max(best["ddpflow (channels_last)"],
-                                                  ddpflow_run(tmp, f"b{r}", args, True))
-            model = build_model(args.model, 10, 3)
-            best["reference"] = max(best["reference"], timed_loop(model, ref, args.steps))
-            model = build_model(args.model, 10, 3)
-            best["compute-only"] = max(best["compute-only"],
-                                       timed_loop(model, cycle(cached), args.steps))
-            model = build_model(args.model, 10, 3).to(memory_format=torch.channels_last)
-            best["compute-only (channels_last)"] = max(
-                best["compute-only (channels_last)"],
-                timed_loop(model, cycle(cached), args.steps, channels_last=True))
-            print(f"round {r}: " + ", ".join(f"{k} {v:.0f}" for k, v in best.items()),
+            for name, measure in variants.items():
+                runs[name].append(measure(r))
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
                   file=sys.stderr)
+    best = {k: max(v) for k, v in runs.items()}
     ours = max(best["ddpflow"], best["ddpflow (channels_last)"])
     limit = max(best["compute-only"], best["compute-only (channels_last)"])
+    # the same ratios round by round (variants of one round ran minutes apart, not hours)
+    per_round = [(max(runs["ddpflow"][r], runs["ddpflow (channels_last)"][r]),
+                  runs["reference"][r],
+                  max(runs["compute-only"][r], runs["compute-only (channels_last)"][r]))
+                 for r in range(args.rounds)]
     print(f"{args.model}, 32 px, batch {BATCH}, bf16, {torch.get_num_threads()} threads, "
           f"{args.workers} reference workers, best of {args.rounds} rounds x {args.steps} steps")
     for k, v in best.items():
         print(f"  {k:30s} {v:8.0f} samples/s")
-    print(f"  ddpflow / reference loop:  {ours / best['reference']:.2f}x")
-    print(f"  ddpflow / compute-only:    {ours / limit:.3f}")
+    print(f"  ddpflow / reference loop:  {ours / best['reference']:.2f}x   per round: "
+          + " ".join(f"{o / ref:.2f}" for o, ref, _ in per_round))
+    print(f"  ddpflow / compute-only:    {ours / limit:.3f}   per round: "
+          + " ".join(f"{o / lim:.3f}" for o, _, lim in per_round))
     print(f"  compute-only / reference:  {limit / best['reference']:.2f}x")
 
 

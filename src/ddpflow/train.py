@@ -34,6 +34,7 @@ from .errors import UserError
 from .metrics import MetricsLog, efficiency_means, read_records
 from .models import build_model, input_channels, param_count, unwrap
 from .runtime import (
+    build_optimizer,
     environment,
     lr_factor,
     peak_memory_mib,
@@ -140,15 +141,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
 
     # ---------------------------------------------------------------- optimizer, precision
     lr = st.lr * lr_factor(st.lr_scaling, global_batch, st.lr_reference_batch)
-    decay = [p for p in model.parameters() if p.ndim > 1]  # no weight decay on norms, biases
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": st.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if st.optimizer == "sgd":
-        opt = torch.optim.SGD(groups, lr=lr, momentum=st.momentum,
-                              nesterov=st.nesterov and st.momentum > 0)
-    else:
-        opt = torch.optim.AdamW(groups, lr=lr)
+    opt = build_optimizer(model, st, lr, d.device)  # fused kernel where the device has one
     warmup = round(st.warmup_epochs * steps_per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(st.schedule, warmup, total_steps))
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)

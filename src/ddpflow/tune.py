@@ -32,6 +32,7 @@ from .data.loaders import Normalize, TrainBatches
 from .data.prepared import write_json_atomic
 from .errors import UserError
 from .models import build_model, input_channels
+from .runtime import build_optimizer, pick_precision
 
 
 class SimulatedOOM(RuntimeError):
@@ -163,7 +164,6 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     meta, arrays = prepared.load(cfg.data_dir)
     images, labels = arrays["train"]
     in_ch = input_channels(cfg.model.name, meta["image_shape"][2])
-    from .runtime import pick_precision
 
     precision = pick_precision("auto" if st.precision == "auto" else st.precision, d.device)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -210,7 +210,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
         run_model = torch.compile(model) if compile_ else model
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        opt = build_optimizer(model, st, 1e-3, d.device)  # the trainer's optimizer
         norm = Normalize(meta["mean"], meta["std"], d.device, in_ch, channels_last)
         tb = TrainBatches(loader, images, labels, batch, d.device, d.world, d.rank, cfg.seed,
                           cfg.data.augment, norm, workers, cfg.data.pin_memory,
