@@ -37,6 +37,8 @@ bench: $(STAMP)
 	$(PY) bench/ddp_scaling.py
 	$(PY) bench/input_pipeline.py
 	$(PY) bench/prepare_imagefolder.py
+	$(PY) bench/optimizer_step.py
+	$(PY) bench/trainer_vs_reference.py
 
 clean:
 	rm -rf results logs .snakemake
