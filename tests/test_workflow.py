@@ -124,6 +124,30 @@ def test_code_and_dockerfile_changes_rerun_what_they_affect(tmp_path):
         "image": 1, "prepare_data": 1, "train": 2, "collect": 1, "all": 1}
 
 
+def test_tune_rule_runs_before_the_stages_that_use_it(tmp_path):
+    cfg = json.loads(json.dumps(TINY))
+    cfg["tune"] = {"enabled": True, "steps": 2, "start_batch": 8, "max_batch": 64}
+    cfg["stages"][0].update(batch_size="auto", precision="auto")
+    write(tmp_path, cfg)
+    assert planned(snakemake(tmp_path, "-n")) == {"image": 1, "prepare_data": 1, "tune": 1,
+                                                  "train": 2, "collect": 1, "all": 1}
+    proc = snakemake(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = tmp_path / "results/wf"
+    choice = json.loads((res / "tune.json").read_text())["choice"]
+    a = json.loads((res / "stages/a/summary.json").read_text())
+    assert a["batch_size_per_rank"] == choice["batch_size"] <= 64
+    assert a["precision"] == choice["precision"] and a["tuned"] == choice
+    b = json.loads((res / "stages/b/summary.json").read_text())
+    assert b["batch_size_per_rank"] == 32  # a fixed batch stays as written
+    assert "Nothing to be done" in snakemake(tmp_path, "-n").stdout
+    # a tune setting re-measures and reruns the stages after it, not the data
+    cfg["tune"]["max_batch"] = 32
+    write(tmp_path, cfg)
+    assert planned(snakemake(tmp_path, "-n")) == {"tune": 1, "train": 2, "collect": 1,
+                                                  "all": 1}
+
+
 def test_invalid_config_stops_before_any_job(tmp_path):
     bad = json.loads(json.dumps(TINY))
     bad["stages"][0]["epochs"] = -1
