@@ -21,7 +21,7 @@ import tempfile
 import time
 
 import torch
-from common import pil_loader
+from common import forever, pil_loader
 from torch import nn
 
 from ddpflow.config import from_dict
@@ -49,13 +49,6 @@ def timed(model, opt, batches, steps, precision):
         opt.zero_grad(set_to_none=True)
         n += len(y)
     return n / (time.perf_counter() - t0)
-
-
-def forever(make_epoch):
-    epoch = 0
-    while True:
-        yield from make_epoch(epoch)
-        epoch += 1
 
 
 def main() -> None:

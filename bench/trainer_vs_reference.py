@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import launch_stage, pil_loader
+from common import forever, launch_stage, pil_loader
 from torch import nn
 
 from ddpflow.config import from_dict
@@ -49,9 +49,10 @@ def config(tmp: Path, name: str, args, channels_last: bool) -> dict:
                         "lr": 0.05, "precision": "bf16", "channels_last": channels_last}]}
 
 
-def ddpflow_run(tmp: Path, name: str, args, channels_last: bool) -> float:
-    return launch_stage(tmp, name, config(tmp, name, args, channels_last),
-                        prepare=False)["mean_samples_per_s"]
+def ddpflow_run(tmp: Path, name: str, args, channels_last: bool, waits: list) -> float:
+    summary = launch_stage(tmp, name, config(tmp, name, args, channels_last), prepare=False)
+    waits.append(summary["data_wait_fraction"])  # the stage's own share of time spent waiting
+    return summary["mean_samples_per_s"]
 
 
 def reference_optimizer(model):
@@ -89,11 +90,12 @@ def reference_batches(images, labels, mean, std, workers):
         return torch.utils.data.distributed.DistributedSampler(ds, num_replicas=1, rank=0)
 
     loader = pil_loader(images, labels, BATCH, mean, std, workers, sampler=sampler)
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+
+    def epoch(e):
+        loader.sampler.set_epoch(e)
+        return loader
+
+    return forever(epoch)
 
 
 def main() -> None:
@@ -104,8 +106,6 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    best = {"ddpflow": 0.0, "ddpflow (channels_last)": 0.0, "reference": 0.0,
-            "compute-only": 0.0, "compute-only (channels_last)": 0.0}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         cfg = from_dict(config(tmp, "p", args, False))
@@ -117,26 +117,23 @@ def main() -> None:
         tb = TrainBatches("device", images, labels, BATCH, dev, 1, 0, 0, cfg.data.augment, norm)
         cached = [(x.clone(), y.clone()) for x, y in tb.epoch(0)]
 
-        def cycle(xs):
-            while True:
-                yield from xs
-
         ref = reference_batches(images, labels, meta["mean"], meta["std"], args.workers)
         cached_cl = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in cached]
         st = cfg.stage("p")
 
         def compute_only(batches, layout):
             model = build_model(args.model, 10, 3).to(memory_format=layout)
-            return timed_loop(model, build_optimizer(model, st, 0.05, dev), cycle(batches),
-                              args.steps)
+            opt = build_optimizer(model, st, 0.05, dev)
+            return timed_loop(model, opt, forever(lambda e: batches), args.steps)
 
         def reference():
             model = build_model(args.model, 10, 3)
             return timed_loop(model, reference_optimizer(model), ref, args.steps)
 
+        waits = []
         variants = {
-            "ddpflow": lambda r: ddpflow_run(tmp, f"a{r}", args, False),
-            "ddpflow (channels_last)": lambda r: ddpflow_run(tmp, f"b{r}", args, True),
+            "ddpflow": lambda r: ddpflow_run(tmp, f"a{r}", args, False, waits),
+            "ddpflow (channels_last)": lambda r: ddpflow_run(tmp, f"b{r}", args, True, waits),
             "reference": lambda r: reference(),
             "compute-only": lambda r: compute_only(cached, torch.contiguous_format),
             "compute-only (channels_last)": lambda r: compute_only(cached_cl,
@@ -165,6 +162,8 @@ def main() -> None:
     print(f"  ddpflow / compute-only:    {ours / limit:.3f}   per round: "
           + " ".join(f"{o / lim:.3f}" for o, _, lim in per_round))
     print(f"  compute-only / reference:  {limit / best['reference']:.2f}x")
+    print(f"  ddpflow data wait:         {100 * sum(waits) / len(waits):.1f}% of its step time "
+          f"(mean of its {len(waits)} runs)")
 
 
 if __name__ == "__main__":
