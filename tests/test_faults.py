@@ -133,9 +133,27 @@ def test_corrupted_newest_checkpoint_is_skipped(tmp_path, baseline):
     assert_same_weights(final_weights(tmp_path), baseline)
 
 
+def stop_ranks_mid_write(proc: subprocess.Popen, ckdir: Path) -> bool:
+    """SIGSTOP the ranks while a checkpoint's temporary file exists. Stopping first and then
+    looking again closes the race in which the write finishes between the test seeing the
+    file and the kill landing; when it does finish first, let the ranks go on and catch the
+    next checkpoint."""
+    victims = ranks(proc)
+    partial = ".ckpt-?????????.pt.tmp*"  # the checkpoint itself, not its .sha256 sidecar
+    while proc.poll() is None:
+        wait_for(lambda: any(ckdir.glob(partial)) or proc.poll() is not None, every=0.001)
+        for v in victims:
+            v.suspend()
+        if any(ckdir.glob(partial)):
+            return True
+        for v in victims:
+            v.resume()
+    return False
+
+
 def test_sigkill_while_a_checkpoint_is_written(tmp_path):
     # resnet18's checkpoint (weights + momentum, ~90 MB) takes long enough to catch mid-write
-    stage = {"name": "s1", "max_steps": 12, "batch_size": 8, "lr": 0.01}
+    stage = {"name": "s1", "max_steps": 20, "batch_size": 8, "lr": 0.01}
     extra = {"model": {"name": "resnet18"}, "checkpoint": {"every_steps": 2, "keep_last": 3}}
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref = setup_run(ref_dir, stage, **extra)
@@ -144,9 +162,10 @@ def test_sigkill_while_a_checkpoint_is_written(tmp_path):
     ckdir = run_dir / "results/t/stages/s1/checkpoints"
     proc = start(p)
     wait_for(lambda: ckpt_steps(run_dir) and ckpt_steps(run_dir)[-1] >= 4, every=0.01)
-    wait_for(lambda: any(ckdir.glob(".ckpt-*.tmp*")), every=0.001)
-    kill_tree(proc)  # the launcher, torchrun and both ranks, mid-write
+    caught = stop_ranks_mid_write(proc, ckdir)
+    kill_tree(proc)  # the launcher, torchrun and both (stopped) ranks, mid-write
     proc.wait(timeout=60)
+    assert caught, "no checkpoint write was caught before the run ended"
     assert list(ckdir.glob(".ckpt-*.tmp*")), "the kill should have left a partial write"
     good = ckpt_steps(run_dir)[-1]
     proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
