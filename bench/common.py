@@ -28,14 +28,6 @@ def launch_stage(tmp: Path, name: str, cfg: dict, prepare: bool = True) -> dict:
     return summary
 
 
-def forever(make_epoch):
-    """Batches of epoch 0, 1, 2, ... without end: make_epoch(e) yields one epoch."""
-    epoch = 0
-    while True:
-        yield from make_epoch(epoch)
-        epoch += 1
-
-
 def pil_loader(images, labels, batch, mean, std, workers, sampler=None):
     """A DataLoader over PIL images: RandomCrop(pad 4), flip, ToTensor, Normalize."""
     import torchvision.transforms as T

@@ -21,12 +21,12 @@ import tempfile
 import time
 
 import torch
-from common import forever, pil_loader
+from common import pil_loader
 from torch import nn
 
 from ddpflow.config import from_dict
 from ddpflow.data import prepared
-from ddpflow.data.loaders import Normalize, TrainBatches
+from ddpflow.data.loaders import Normalize, TrainBatches, forever
 from ddpflow.data.prepare import prepare
 from ddpflow.models import build_model
 

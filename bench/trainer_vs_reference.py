@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import forever, launch_stage, pil_loader
+from common import launch_stage, pil_loader
 from torch import nn
 
 from ddpflow.config import from_dict
 from ddpflow.data import prepared
-from ddpflow.data.loaders import Normalize, TrainBatches
+from ddpflow.data.loaders import Normalize, TrainBatches, forever
 from ddpflow.data.prepare import prepare
 from ddpflow.models import build_model
 from ddpflow.runtime import build_optimizer

@@ -133,3 +133,14 @@ def broadcast_object(d: Dist, obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def wrap_ddp(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
+    """DistributedDataParallel when more than one rank trains (one rank has nothing to
+    all-reduce, so it pays no DDP overhead); gradients live in DDP's buckets (no copy per
+    step)."""
+    if not d.backend or d.world == 1:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
+        gradient_as_bucket_view=True)

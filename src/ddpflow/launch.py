@@ -76,6 +76,12 @@ def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
     return n, device, env
 
 
+def stage_ranks(cfg: Config, stage: str) -> tuple[int, str, dict[str, str]]:
+    """resolve_ranks for one stage: DataParallel runs one process that drives every GPU."""
+    n, device, env = resolve_ranks(cfg)
+    return (1 if cfg.stage(stage).strategy == "dp" else n), device, env
+
+
 def preflight(cfg: Config, stage: str) -> None:
     """Everything a stage needs that can be checked before any rank starts."""
     st = cfg.stage(stage)
@@ -99,10 +105,8 @@ def preflight(cfg: Config, stage: str) -> None:
 def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
          command: str = "train", ranks: tuple | None = None) -> tuple[list, dict]:
     """The torchrun command line and environment for one stage (or its tuning);
-    `ranks` is resolve_ranks(cfg) where the caller has it already."""
-    n, _device, env = ranks or resolve_ranks(cfg)
-    if cfg.stage(stage).strategy == "dp":
-        n = 1  # DataParallel: one process drives every visible GPU
+    `ranks` is stage_ranks(cfg, stage) where the caller has it already."""
+    n, _device, env = ranks or stage_ranks(cfg, stage)
     train = ["--module", "ddpflow", command, "--resolved", str(resolved), "--stage", stage,
              *extra_args]
     restarts = f"--max-restarts={cfg.hardware.max_restarts}"
@@ -198,9 +202,8 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
         print(f"ddpflow: stage '{stage}' runs in the {cfg.container.engine} image "
               f"{cfg.container.image}", file=sys.stderr)
     else:
-        ranks = resolve_ranks(cfg)
+        ranks = stage_ranks(cfg, stage)
         n, device, _ = ranks
-        n = 1 if st.strategy == "dp" else n  # DataParallel: one process for every GPU
         cmd, env = plan(cfg, stage, resolved, list(extra_args), ranks=ranks)
         shown = " ".join(f"{k}={v}" for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES")
         print(f"ddpflow: stage '{stage}': {n} rank(s) on {device}", file=sys.stderr)

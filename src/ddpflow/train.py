@@ -132,11 +132,8 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if st.strategy == "dp":  # baseline only: one process driving every visible GPU
         model = nn.DataParallel(model) if d.device.type == "cuda" else model
-    elif d.backend and d.world > 1:  # one rank: nothing to all-reduce, so no DDP overhead
-        # gradients live in DDP's buckets (no copy per step)
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-            gradient_as_bucket_view=True)
+    else:
+        model = distributed.wrap_ddp(model, d)  # DDP when more than one rank trains
     train_model = torch.compile(model) if compile_model else model
 
     # ---------------------------------------------------------------- optimizer, precision

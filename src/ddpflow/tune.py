@@ -28,7 +28,7 @@ from torch import nn
 from . import distributed
 from .config import Config, StageCfg
 from .data import prepared
-from .data.loaders import Normalize, TrainBatches
+from .data.loaders import Normalize, TrainBatches, forever
 from .data.prepared import write_json_atomic
 from .errors import UserError
 from .models import build_model, input_channels
@@ -206,21 +206,15 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         model = build_model(cfg.model.name, meta["num_classes"], in_ch).to(d.device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        if d.backend:
-            model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        model = distributed.wrap_ddp(model, d)  # as the trainer wraps it
         run_model = torch.compile(model) if compile_ else model
         opt = build_optimizer(model, st, 1e-3, d.device)  # the trainer's optimizer
         norm = Normalize(meta["mean"], meta["std"], d.device, in_ch, channels_last)
         tb = TrainBatches(loader, images, labels, batch, d.device, d.world, d.rank, cfg.seed,
                           cfg.data.augment, norm, workers, cfg.data.pin_memory,
                           workers > 0, prefetch)
-        def forever():
-            e = 0
-            while True:
-                yield from tb.epoch(e)
-                e += 1
-        sps, wait = _throughput(run_model, forever(), tc.steps, dtypes[prec], d.device, opt)
+        sps, wait = _throughput(run_model, forever(tb.epoch), tc.steps, dtypes[prec], d.device,
+                                opt)
         return {"samples_per_s": sps * d.world, "data_wait_fraction": wait}
 
     default_loader = cfg.data.loader if cfg.data.loader != "auto" else "device"

@@ -155,6 +155,14 @@ class TrainBatches:
             yield self.normalize(augment(x, self.aug, g)), y
 
 
+def forever(make_epoch):
+    """Batches of epoch 0, 1, 2, ... without end: make_epoch(e) yields one epoch."""
+    epoch = 0
+    while True:
+        yield from make_epoch(epoch)
+        epoch += 1
+
+
 def val_batches(images, labels, batch_size, device, world, rank, normalize):
     """This rank's strided share of the validation split, unaugmented, in order."""
     idx = list(range(rank, len(labels), world))
