@@ -5,7 +5,11 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# the embedded default, only when no --configfile is given: a user's config is never
+# merged with it (keys the user leaves out take the schema's defaults, as in the CLI)
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 report: "workflow/report/workflow.rst"

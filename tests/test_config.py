@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import filecmp
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO, ddpflow, tiny_config, write_config
-from ddpflow.config import SCHEMA_PATH, apply_overrides, from_dict, load_config
+from ddpflow.config import apply_overrides, from_dict, load_config
 from ddpflow.errors import UserError
 
 
-def assert_clean_failure(proc, *needles, results: Path | None = None):
-    assert proc.returncode != 0, proc.stdout + proc.stderr
+def assert_clean_failure(proc, *needles, results: Path | None = None, code: int = 2):
+    """The documented outcome of a user mistake: exit code 2 (UserError), one message."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout + proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     for n in needles:
         assert n in proc.stderr, f"{n!r} not in: {proc.stderr}"
@@ -21,8 +27,36 @@ def assert_clean_failure(proc, *needles, results: Path | None = None):
         assert not results.exists(), f"{results} was written"
 
 
-def test_schema_is_the_workflow_schema():
-    assert filecmp.cmp(SCHEMA_PATH, REPO / "workflow/schemas/config.schema.yaml", shallow=False)
+def test_the_built_wheel_carries_the_workflow_schema(tmp_path):
+    """The packaged schema is a symlink in the source tree: the wheel must hold a real file
+    with the workflow schema's bytes, and the package installed from it (outside the source
+    tree) must read that file."""
+    src = tmp_path / "src-copy"
+    shutil.copytree(REPO / "src", src / "src", symlinks=True,
+                    ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    shutil.copytree(REPO / "workflow/schemas", src / "workflow/schemas")
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / f, src / f)
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(wheels), str(src)], check=True,
+                   capture_output=True, timeout=300)
+    wheel, = wheels.glob("ddpflow-*.whl")
+    want = (REPO / "workflow/schemas/config.schema.yaml").read_bytes()
+    with zipfile.ZipFile(wheel) as z:
+        info = z.getinfo("ddpflow/schema/config.schema.yaml")
+        assert (info.external_attr >> 16) & 0o170000 != 0o120000, "a symlink in the wheel"
+        assert z.read(info) == want
+        z.extractall(tmp_path / "site")
+    probe = ("import ddpflow.config as c, sys; print(c.SCHEMA_PATH); "
+             "sys.stdout.write(str(c.SCHEMA_PATH.read_bytes() == open(sys.argv[1], 'rb').read()))")
+    out = subprocess.run([sys.executable, "-S", "-c", probe,
+                          str(REPO / "workflow/schemas/config.schema.yaml")],
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:"
+                              + ":".join(p for p in sys.path if "site-packages" in p)},
+                         cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    path, same = out.splitlines()
+    assert path.startswith(str(tmp_path / "site")) and same == "True", out
 
 
 def test_default_config_is_valid_and_filled():
@@ -143,3 +177,107 @@ def test_cuda_requested_without_a_gpu(tmp_path):
 def test_collect_without_results_folder(tmp_path):
     proc = ddpflow("collect", "--config", write_config(tmp_path, tiny_config(tmp_path)))
     assert_clean_failure(proc, "no readable results folder", results=tmp_path / "results")
+
+
+def test_integral_floats_are_taken_as_integers():
+    cfg = from_dict({"stages": [{"name": "a", "batch_size": 32.0, "epochs": 2.0}]})
+    assert cfg.stages[0].batch_size == 32 and type(cfg.stages[0].batch_size) is int
+    assert type(cfg.stages[0].epochs) is int
+    with pytest.raises(UserError, match=r"stages.0.batch_size: 32.5 is not"):
+        from_dict({"stages": [{"name": "a", "batch_size": 32.5}]})
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))
+
+
+@pytest.mark.parametrize("content, needles", [
+    (b"stages:\n  - name: a\n\xff\xfe\n", ["not UTF-8 text", "offset"]),
+    (b"stages:\n  - name: a\n    lr: 0.1\n    lr: 0.2\n", ["duplicate key 'lr' at line 4",
+                                                           "first at line 3"]),
+    (b"stages:\n  - name: a\n    lr: 1e-3\n", ["stages.0.lr", "1.0e-3"]),
+    (b"stages:\n  - name: no\n", ["stages.0.name", "quote it"]),
+    (b"run: a/b\nstages: [{name: a}]\n", ["run", "not a valid name"]),
+    (b"run: my run\nstages: [{name: a}]\n", ["run", "not a valid name"]),
+    (b"stages: [{name: " + b"a" * 100 + b"}]\n", ["stages.0.name", "longer than 64"]),
+    (BOMB.encode() + b"stages: [{name: a}]\n", ["expands to more than", "aliases"]),
+    (b"stages: [{name: a, lr: '" + b"9" * 5000 + b"'}]\n", ["stages.0.lr", "..."]),
+])
+def test_yaml_pitfalls_are_one_clear_message(tmp_path, content, needles):
+    p = tmp_path / "c.yaml"
+    p.write_bytes(content)
+    proc = ddpflow("validate", "--config", p, timeout=60)
+    assert_clean_failure(proc, *needles, results=tmp_path / "results")
+    assert len(proc.stderr) < 1500, "a message must not print a whole huge value"
+
+
+def test_a_directory_as_config(tmp_path):
+    assert_clean_failure(ddpflow("validate", "--config", tmp_path), "is a directory")
+
+
+def test_validate_prints_the_resolved_config(tmp_path):
+    p = write_config(tmp_path, tiny_config(tmp_path))
+    proc = ddpflow("validate", "--config", p, "--set", "stages.0.lr=0.2", check=True)
+    resolved = yaml.safe_load(proc.stdout)
+    assert resolved["stages"][0]["lr"] == 0.2 and resolved["data"]["train_size"] == 1024
+    assert resolved["checkpoint"]["resume"] == "auto"  # defaults filled in
+    assert "# config hash " + from_dict(resolved).hash in proc.stderr
+
+
+def test_results_dir_that_is_a_file(tmp_path):
+    (tmp_path / "results").write_text("not a folder")
+    p = write_config(tmp_path, tiny_config(tmp_path))
+    assert_clean_failure(ddpflow("prepare", "--config", p), "cannot write",
+                         "results_dir")
+    assert_clean_failure(ddpflow("collect", "--config", p), "no readable results folder")
+
+
+def test_rank_command_outside_torchrun(tmp_path):
+    assert_clean_failure(ddpflow("train", "--resolved", tmp_path / "nope.json", "--stage", "s1"),
+                         "cannot read the resolved config")
+    p = tmp_path / "r.json"
+    p.write_text("{}")
+    proc = ddpflow("train", "--resolved", p, "--stage", "s1",
+                   env={"RANK": "0", "WORLD_SIZE": "2"})
+    assert_clean_failure(proc, "not started by torchrun")
+
+
+def test_gpu_counts_and_ids_on_a_gpu_node(tmp_path, monkeypatch):
+    """The GPU arithmetic of a node, with the visible GPU count patched (no GPU here)."""
+    from ddpflow import launch
+
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")  # an outer selection
+    cfg = from_dict(tiny_config(tmp_path, hardware={"nproc_per_node": 8}))
+    with pytest.raises(UserError, match="nproc_per_node is 8 but only 4 GPU"):
+        launch.resolve_ranks(cfg)
+    n, device, env = launch.resolve_ranks(from_dict(tiny_config(
+        tmp_path, hardware={"nproc_per_node": "auto", "threads_per_rank": "auto"})))
+    assert (n, device) == (4, "cuda") and "CUDA_VISIBLE_DEVICES" not in env
+    n, _, env = launch.resolve_ranks(from_dict(tiny_config(
+        tmp_path, hardware={"nproc_per_node": "auto", "devices": [1, 3]})))
+    assert n == 2 and env["CUDA_VISIBLE_DEVICES"] == "5,7"  # ids index the visible GPUs
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    n, device, _ = launch.resolve_ranks(from_dict(tiny_config(
+        tmp_path, hardware={"nproc_per_node": "auto"})))
+    assert (n, device) == (1, "cpu")
+    dp = from_dict(tiny_config(tmp_path, stages=[{"name": "s1", "strategy": "dp"}]))
+    assert launch.stage_ranks(dp, "s1")[0] == 1  # DataParallel: one process
+
+
+def test_lr_scaling_rules():
+    from ddpflow.runtime import lr_factor
+
+    assert lr_factor("sqrt", 64, 256) == pytest.approx(0.5)
+    assert lr_factor("linear", 512, 256) == 2.0 and lr_factor("none", 512, 256) == 1.0
+
+
+def test_the_library_never_imports_snakemake():
+    """workflow -> CLI -> library: no module under src/ddpflow imports snakemake."""
+    import ast
+
+    for f in (REPO / "src/ddpflow").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "snakemake" for n in names), f

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 
 from conftest import REPO, ddpflow, tiny_config, write_config
-from test_workflow import snakemake, write
+from test_workflow import planned, snakemake, write
 
 pytestmark = pytest.mark.slow
 BASE = os.environ.get("DDPFLOW_TEST_BASE", "ddpflow-test-base:bookworm-torch2.13-cpu")
@@ -51,19 +55,52 @@ def test_build_and_train_one_stage_in_the_container(tmp_path):
     # files written in the container belong to the calling user
     assert (tmp_path / "results/t/stages/s1/final.pt").stat().st_uid == os.getuid()
 
+    # preemption reaches the ranks inside the container: SIGTERM to the launcher on the
+    # host, the ranks checkpoint at a log boundary and the launcher exits 75
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ddpflow", "launch", "--config", str(p), "--stage", "s1",
+         "--set", "stages.0.max_steps=100000", "--set", "checkpoint.every_steps=5"],
+        cwd=REPO, stderr=subprocess.PIPE, text=True)
+    ckdir = tmp_path / "results/t/stages/s1/checkpoints"
+    t0 = time.time()
+    while not list(ckdir.glob("ckpt-*.pt")) and time.time() - t0 < 300:
+        time.sleep(0.2)
+    assert list(ckdir.glob("ckpt-*.pt")), "the containerised stage never checkpointed"
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 75, err[-3000:]
+    step = int(err.split("SIGTERM received: checkpoint at step ")[1].split()[0])
+    assert (ckdir / f"ckpt-{step:09d}.pt").is_file()
+
 
 def test_workflow_with_docker_engine(tmp_path):
+    """Through Snakemake, in a copy of the project: then the Dockerfile alone is edited,
+    which reruns exactly the image and the stages (not the data)."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for part in ("Snakefile", "workflow", "config", "src", "Dockerfile", ".dockerignore",
+                 "pyproject.toml", "README.md"):
+        src = REPO / part
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, tree / part)
+    wd = tmp_path / "wd"
+    wd.mkdir()
     cfg = {"run": "dk", "log_every_steps": 4,
            "data": {"train_size": 256, "val_size": 64, "image_size": 16},
            "hardware": {"nproc_per_node": 2, "threads_per_rank": 1},
            "container": {"engine": "docker", "image": "ddpflow:pytest", "base_image": BASE},
            "stages": [{"name": "a", "max_steps": 4, "batch_size": 32}]}
-    write(tmp_path, cfg)
-    proc = snakemake(tmp_path)
+    write(wd, cfg)
+    sf = tree / "Snakefile"
+    proc = snakemake(wd, snakefile=sf)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    image = json.loads((tmp_path / "results/dk/image.json").read_text())
-    s = json.loads((tmp_path / "results/dk/stages/a/summary.json").read_text())
+    image = json.loads((wd / "results/dk/image.json").read_text())
+    s = json.loads((wd / "results/dk/stages/a/summary.json").read_text())
     assert s["container"] == f"docker:{image['image_id']}"
+    assert "Nothing to be done" in snakemake(wd, "-n", snakefile=sf).stdout
+    with open(tree / "Dockerfile", "a") as f:
+        f.write("\n# a change to the image only\n")
+    assert planned(snakemake(wd, "-n", snakefile=sf)) == {"image": 1, "train": 1,
+                                                          "collect": 1, "all": 1}
 
 
 @pytest.mark.parametrize("engine, env, needle", [

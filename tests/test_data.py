@@ -37,7 +37,7 @@ def prepare_fails(tmp_path, raw, *needles):
         assert n in proc.stderr, proc.stderr
     data = tmp_path / "results/t/data"
     assert not data.exists() or prepared.read_meta(data) is None
-    assert not (tmp_path / "results/t/data.partial").exists()
+    assert not list((tmp_path / "results/t").glob(".data.partial*"))
     return proc
 
 
@@ -208,7 +208,9 @@ def test_both_loaders_same_batches_disjoint_ranks(tmp_path):
     assert len(res0) == 13
     for (xa, ya), (xb, yb) in zip(dev0[3:], res0):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(res0, res_dl))
+    assert len(res_dl) == len(res0) == 13
+    for (xa, ya), (xb, yb) in zip(res0, res_dl):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
 @pytest.mark.slow
@@ -255,3 +257,113 @@ def test_normalize_matches_the_formula_and_layout():
         assert y.is_contiguous(memory_format=fmt)
     grey = Normalize([0.5], [0.2], torch.device("cpu"), 3, False)(x[..., :1])
     assert grey.shape == (4, 3, 6, 6) and torch.equal(grey[:, 0], grey[:, 2])
+
+
+def test_crafted_cifar_pickle_cannot_run_code(tmp_path):
+    """A dataset file is data: a pickle that would run a command is refused, even with
+    verify_checksum: false."""
+    import pickle
+    import tarfile
+
+    marker = tmp_path / "PWNED"
+
+    class Exploit:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    arc = cifar_archive(tmp_path / "c.tar.gz")
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(arc) as src, tarfile.open(evil, "w:gz") as dst:
+        for m in src:
+            blob = src.extractfile(m).read()
+            if m.name.endswith("data_batch_1"):
+                blob = pickle.dumps({b"data": Exploit(), b"labels": [0]})
+            m.size = len(blob)
+            dst.addfile(m, io.BytesIO(blob))
+    prepare_fails(tmp_path, cfg_for(tmp_path, source="cifar10", path=str(evil),
+                                    verify_checksum=False), "not plain data", "posix.system")
+    assert not marker.exists()
+
+
+def test_sizes_left_out_mean_all_of_a_real_source(tmp_path):
+    arc = cifar_archive(tmp_path / "c.tar.gz")
+    raw = cfg_for(tmp_path, source="cifar10", path=str(arc), verify_checksum=False)
+    del raw["data"]["train_size"], raw["data"]["val_size"]
+    _, meta = prepare_ok(tmp_path, raw)
+    assert meta["counts"]["train"]["total"] == 1000 and meta["counts"]["val"]["total"] == 200
+
+
+def test_imagefolder_caps_one_class_and_empty_val(tmp_path):
+    root = image_tree(tmp_path / "imgs", per_class=10)
+    _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="imagefolder", path=str(root),
+                                           image_size=16, train_size=12, val_size=3,
+                                           val_fraction=0.2))
+    assert meta["counts"]["train"]["total"] == 12 and meta["counts"]["val"]["total"] == 3
+    one = image_tree(tmp_path / "one", classes=("cat",), per_class=4)
+    (tmp_path / "a").mkdir()
+    prepare_fails(tmp_path / "a", cfg_for(tmp_path / "a", source="imagefolder", path=str(one)),
+                  "one class folder", "at least two")
+    single = image_tree(tmp_path / "single", per_class=1)  # nothing left to hold out
+    (tmp_path / "b").mkdir()
+    prepare_fails(tmp_path / "b", cfg_for(tmp_path / "b", source="imagefolder",
+                                          path=str(single)), "validation split", "is empty")
+
+
+def test_arrays_changed_in_place_are_noticed(tmp_path):
+    import os
+
+    from ddpflow.launch import preflight
+
+    raw = tiny_config(tmp_path)
+    prepare_ok(tmp_path, raw)
+    labels = tmp_path / "results/t/data/train_labels.npy"
+    y = np.load(labels)
+    y[:10] = (y[:10] + 1) % 10  # same size, other content
+    np.save(labels, y)
+    with pytest.raises(Exception, match="changed after it was prepared"):
+        preflight(from_dict(raw), "s1")
+    proc, meta = prepare_ok(tmp_path, raw)
+    assert "changed after it was prepared" in proc.stderr and "prepared synthetic" in proc.stdout
+    assert meta["sha256"]["train_labels.npy"] == prepared.sha256_file(labels)
+    assert not np.array_equal(np.load(labels), y)  # rebuilt from the settings
+    # touched, same bytes: recognised by its checksum, only the times are recorded anew
+    os.utime(labels, ns=(1, 1))
+    proc, _ = prepare_ok(tmp_path, raw)
+    assert "up to date" in proc.stdout
+    preflight(from_dict(raw), "s1")
+
+
+@pytest.mark.parametrize("meta_text", ["[1, 2]", "{\"format_version\": 1, \"bytes\": 7}",
+                                       "\u00ff not json"])
+def test_foreign_meta_never_blocks_a_rebuild(tmp_path, meta_text):
+    raw = tiny_config(tmp_path)
+    prepare_ok(tmp_path, raw)
+    (tmp_path / "results/t/data/meta.json").write_text(meta_text)
+    proc = ddpflow("launch", "--config", write_config(tmp_path, raw), "--stage", "s1")
+    assert proc.returncode == 2 and "no prepared data" in proc.stderr
+    proc = ddpflow("prepare", "--config", write_config(tmp_path, raw), "--force", check=True)
+    assert "prepared synthetic" in proc.stdout
+
+
+def test_a_full_disk_is_one_message_and_leaves_nothing(tmp_path):
+    """A real 2 MB tmpfs (the tests run as root in CI): 12 MB of arrays do not fit."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    disk = tmp_path / "small"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
+    try:
+        raw = tiny_config(tmp_path, data={"train_size": 4096, "image_size": 32})
+        raw["results_dir"] = str(disk)
+        proc = ddpflow("prepare", "--config", write_config(tmp_path, raw))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "no space left on" in proc.stderr and str(disk) in proc.stderr
+        assert prepared.read_meta(disk / "t/data") is None
+        assert not list((disk / "t").glob(".data.partial*")) and not (disk / "t/data").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

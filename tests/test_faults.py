@@ -112,10 +112,13 @@ def test_sigterm_to_the_job_then_rerun(tmp_path, baseline):
     assert "run the same command again" in err
     assert not (tmp_path / "results/t/stages/s1/final.pt").exists()
     stopped_at = ckpt_steps(tmp_path)[-1]
-    assert stopped_at >= before and stopped_at < STAGE["max_steps"]
+    # the ranks themselves wrote a new checkpoint, after the signal, at a log boundary
+    assert f"SIGTERM received: checkpoint at step {stopped_at}" in err
+    assert before < stopped_at < STAGE["max_steps"] and stopped_at % 5 == 0
     proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
     assert f"resumed from ckpt-{stopped_at:09d}.pt" in proc.stderr
     assert_same_weights(final_weights(tmp_path), baseline)
+    assert ckpt_steps(tmp_path) == [130, 140, 150]  # checkpoint.keep_last: 3
 
 
 def test_corrupted_newest_checkpoint_is_skipped(tmp_path, baseline):

@@ -99,8 +99,10 @@ def test_scancel_usr1_mid_training_then_retry(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     states = [state for state, _ in sacct(job)]
     assert states and states[0] != "COMPLETED", states  # the signalled attempt stopped early
-    log = (wd / "logs/wf/train_a.log").read_text()
-    assert "resumed from ckpt-" in log
+    log = (wd / "logs/wf/train_a.log").read_text()  # the retry's log
+    resumed = int(log.split("resumed from ckpt-")[1][:9])
+    # the signalled ranks wrote a new checkpoint at a log boundary after the signal
+    assert resumed > steps[-1] and resumed % 5 == 0, (resumed, steps)
     a = torch.load(wd / "results/wf/stages/a/final.pt", weights_only=True)["model"]
     b = torch.load(ref / "results/wf/stages/a/final.pt", weights_only=True)["model"]
     for k in a:

@@ -69,6 +69,12 @@ def test_two_ranks_train_in_sync_on_disjoint_halves(tmp_path):
     assert all(0 <= r["data_wait_fraction"] <= 1 for r in train)
     assert [r["epoch"] for r in recs if r["kind"] == "val"] == [0, 1, 2]
     assert s["config"]["stages"][0]["lr"] == 0.1 and s["mean_samples_per_s"] > 0
+    assert s["wrapper"] == "DistributedDataParallel"
+    # efficiency fields: counted FLOPs, compute-only at least the overall rate, real memory
+    assert s["flops_per_sample"] > 0 and s["mfu"] is None  # no known peak on a CPU
+    for r in train:
+        assert r["tflops"] > 0 and r["peak_mem_mib"] > 10
+        assert r["compute_samples_per_s"] >= r["samples_per_s"] > 0
     ck = torch.load(stage_dir(tmp_path, "s1") / "final.pt", weights_only=True)
     assert ck["config"]["run"] == "t"
 
@@ -120,6 +126,58 @@ def test_exact_resume_is_bit_identical(tmp_path):
     assert summary(straight, "s1")["final_val_acc"] == summary(resumed, "s1")["final_val_acc"]
 
 
+def test_fp16_overflow_skips_the_steps_and_leaves_the_weights(tmp_path, monkeypatch):
+    """A huge initial loss scale: every fp16 step overflows, the scaler skips it, the count
+    is recorded, and the parameters stay exactly the starting weights (in-process, 1 rank)."""
+    import functools
+
+    from ddpflow import train
+    from ddpflow.config import load_config
+    from ddpflow.models import build_model
+
+    init = tmp_path / "init.pt"
+    torch.manual_seed(3)
+    model = build_model("smallcnn", 10, 3)
+    torch.save(model.state_dict(), init)
+    cfg = tiny_config(tmp_path, log_every_steps=1, hardware={"nproc_per_node": 1}, stages=[
+        {"name": "s1", "max_steps": 5, "batch_size": 32, "lr": 0.1, "precision": "fp16",
+         "init_from": str(init)}])
+    p = prepare(tmp_path, cfg)
+    monkeypatch.setattr(torch.amp, "GradScaler",
+                        functools.partial(torch.amp.GradScaler, init_scale=2.0 ** 120))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert train.train_stage(load_config(p), "s1") == 0
+    s = summary(tmp_path, "s1")
+    assert s["precision"] == "fp16" and s["skipped_steps"] == 5
+    train_recs = [r for r in records(tmp_path, "s1") if r["kind"] == "train"]
+    assert [r["skipped_steps"] for r in train_recs] == [1, 2, 3, 4, 5]
+    assert [r["grad_scale"] for r in train_recs] == [2.0 ** (120 - k) for k in range(1, 6)]
+    final = weights(stage_dir(tmp_path, "s1") / "final.pt")
+    for name, param in model.named_parameters():
+        assert torch.equal(final[name], param.detach()), name
+
+
+def test_grad_accumulation_on_two_ranks_equals_the_larger_batch(tmp_path):
+    """2 ranks x 16 x 2 accumulation (DDP's no_sync on the first micro-batch) against
+    2 ranks x 32: the same samples, the same update. mlp has no batch statistics."""
+    finals = {}
+    for batch, accum in ((16, 2), (32, 1)):
+        d = tmp_path / f"b{batch}"
+        d.mkdir()
+        cfg = tiny_config(d, deterministic=True, model={"name": "mlp"},
+                          data={"augment": {"crop_padding": 0, "flip": False}},
+                          stages=[{"name": "s1", "max_steps": 4, "batch_size": batch,
+                                   "grad_accum_steps": accum, "lr": 0.05,
+                                   "precision": "fp32"}])
+        ddpflow("launch", "--config", prepare(d, cfg), "--stage", "s1", check=True)
+        s = summary(d, "s1")
+        assert s["global_batch"] == 64 and s["world_size"] == 2 and s["weights_in_sync"]
+        finals[accum] = weights(stage_dir(d, "s1") / "final.pt")
+    for k in finals[1]:
+        torch.testing.assert_close(finals[2][k], finals[1][k], rtol=1e-5, atol=1e-6)
+
+
 def test_fp16_gradscaler_and_grad_accumulation_on_one_rank(tmp_path):
     cfg = tiny_config(tmp_path, hardware={"nproc_per_node": 1}, stages=[
         {"name": "s1", "max_steps": 8, "batch_size": 32, "lr": 0.05, "precision": "fp16",
@@ -138,6 +196,10 @@ def test_dataparallel_baseline_and_fp32(tmp_path):
         {"name": "s1", "max_steps": 4, "batch_size": 32, "strategy": "dp", "precision": "fp32",
          "channels_last": True}])
     p = prepare(tmp_path, cfg)
-    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    assert "--nproc-per-node=1" in proc.stderr  # one process, whatever nproc_per_node says
     s = summary(tmp_path, "s1")
     assert s["strategy"] == "dp" and s["world_size"] == 1 and s["precision"] == "fp32"
+    # the model is wrapped in DataParallel (without GPUs it calls the module directly;
+    # scattering over several GPUs needs a GPU node: bench/gpu.sh)
+    assert s["wrapper"] == "DataParallel" and s["backend"] is None

@@ -55,10 +55,16 @@ def wf(tmp_path):
     return tmp_path
 
 
+# a results folder with spaces and shell syntax: every path on a rule's shell line is quoted
+ODD_RESULTS = "my results || touch INJECTED #"
+
+
 def test_full_run_rerun_and_partial_rerun(wf):
+    write(wf, {**TINY, "results_dir": ODD_RESULTS})
     proc = snakemake(wf)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = wf / "results/wf"
+    assert not list(wf.rglob("INJECTED")), "a path on a shell line ran as a command"
+    res = wf / ODD_RESULTS / "wf"
     assert "val_acc" in proc.stdout + proc.stderr  # the headline printed at the end
     for st in ("a", "b"):
         s = json.loads((res / f"stages/{st}/summary.json").read_text())
@@ -75,7 +81,7 @@ def test_full_run_rerun_and_partial_rerun(wf):
     # a later stage's lr: that stage (and collect) only
     stamp = {p: p.stat().st_mtime_ns for p in (res / "data/meta.json", res / "stages/a/final.pt",
                                                res / "stages/b/final.pt")}
-    changed = json.loads(json.dumps(TINY))
+    changed = json.loads(json.dumps({**TINY, "results_dir": ODD_RESULTS}))
     changed["stages"][1]["lr"] = 0.05
     write(wf, changed)
     assert planned(snakemake(wf, "-n")) == {"train": 1, "collect": 1, "all": 1}
@@ -175,3 +181,52 @@ def test_slurm_profile_dry_run_resolves_gpu_resources(wf):
                      "slurm_account=proj1", "slurm_partition=debug", "--signal=USR1@120"):
             assert want in res, (want, res)
         assert "ddpflow launch" in block and block.count("ddpflow launch") == 1
+
+
+def test_a_user_config_is_not_merged_with_the_default(tmp_path):
+    """Keys a user's --configfile leaves out take the schema's defaults, as in the CLI,
+    not config/config.yaml's values (8192 training samples there)."""
+    write(tmp_path, {"run": "mine", "stages": [{"name": "a"}]})
+    proc = snakemake(tmp_path, "-n")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    used = json.loads((tmp_path / "results/mine/workflow_config.json").read_text())
+    assert used["data"]["train_size"] is None and used["data"]["val_size"] is None
+    from ddpflow.config import from_dict
+
+    assert from_dict(used).to_dict() == from_dict({"run": "mine",
+                                                   "stages": [{"name": "a"}]}).to_dict()
+
+
+def test_make_run_trains_the_embedded_default(tmp_path):
+    """What `make run` runs (snakemake --cores all on config/config.yaml), end to end."""
+    shutil.copytree(REPO / "config", tmp_path / "config")
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
+    proc = subprocess.run([str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-d",
+                           str(tmp_path), "--cores", "2"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    head = (tmp_path / "results/default/summary/headline.txt").read_text()
+    assert head.splitlines()[0] in out  # the headline is printed at the end
+    for stage in ("warmup", "finetune"):
+        line = next(x for x in head.splitlines() if x.strip().startswith(stage))
+        assert "val_acc" in line and "samples/s" in line and "NOT FINISHED" not in line
+    assert (tmp_path / "results/default/summary/report.html").stat().st_size > 10_000
+
+
+def test_a_diverged_stage_is_not_retried_into_the_same_nan(tmp_path):
+    """The local profile retries failed jobs once: the retry sees failed.json with the same
+    inputs and stops at once (exit 3) instead of resuming into the same divergence."""
+    cfg = {**TINY, "checkpoint": {"every_steps": 1, "keep_last": 3},
+           "stages": [{"name": "a", "max_steps": 50, "batch_size": 32, "lr": 1e30,
+                       "momentum": 0.0, "weight_decay": 0.0}]}
+    write(tmp_path, cfg)
+    proc = snakemake(tmp_path, "--profile", str(REPO / "profiles/local"))
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "Trying to restart job" in out or "attempt 2" in out.lower(), out[-3000:]
+    log = (tmp_path / "logs/wf/train_a.log").read_text()  # the retry's log
+    assert "diverged with these settings before" in log and "loss became" in log
+    assert "resumed from" not in log
+    failed = json.loads((tmp_path / "results/wf/stages/a/failed.json").read_text())
+    assert "at step" in failed["reason"]

@@ -131,3 +131,39 @@ def remove_partial(folder: Path) -> None:
         for p in Path(folder).glob(".ckpt-*.tmp*"):
             print(f"ddpflow: removing unfinished checkpoint write {p.name}", file=sys.stderr)
             p.unlink(missing_ok=True)
+
+
+def load_weights(path: Path, setting: str) -> dict:
+    """A state dict from a ddpflow checkpoint ({"model": ...}) or a plain state dict file;
+    anything else is a UserError naming `setting`."""
+    from .errors import UserError
+
+    try:
+        obj = load(path)
+    except Exception as e:  # noqa: BLE001 - not a torch file, truncated, or holds code
+        raise UserError(f"{setting}: {path} cannot be loaded as weights "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]
+    if not isinstance(obj, dict) or not obj or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise UserError(f"{setting}: {path} is not a state dict (a mapping of names to "
+                        f"tensors) nor a ddpflow checkpoint")
+    return obj
+
+
+def check_fits(model: torch.nn.Module, weights: dict, setting: str) -> None:
+    """UserError naming the first tensor whose name or shape does not fit the model."""
+    from .errors import UserError
+
+    own = model.state_dict()
+    for name, t in own.items():
+        if name not in weights:
+            raise UserError(f"{setting} does not fit the model: it has no tensor '{name}'")
+        if tuple(weights[name].shape) != tuple(t.shape):
+            raise UserError(f"{setting} does not fit the model: '{name}' is "
+                            f"{tuple(weights[name].shape)} there, {tuple(t.shape)} in the model")
+    extra = sorted(set(weights) - set(own))
+    if extra:
+        raise UserError(f"{setting} does not fit the model: it has tensors the model lacks, "
+                        f"first '{extra[0]}'")

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 
 import yaml
@@ -81,13 +83,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prepare(cfg, force=False, verify=False) -> None:
-    from .data import prepared
     from .data.prepare import describe, prepare
 
-    meta, did = prepare(cfg, force=force)
-    if verify:
-        prepared.verify(cfg.data_dir, meta)
+    meta, did = prepare(cfg, force=force, verify=verify)
     print(describe(meta, cfg.data_dir, did))
+
+
+def _resolved(path: str):
+    """The resolved config that `ddpflow launch` wrote for the ranks."""
+    import json
+
+    if "RANK" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise UserError("RANK/WORLD_SIZE are set but this process was not started by torchrun; "
+                        "start stages with `ddpflow launch` (it runs torchrun), or unset them")
+    try:
+        with open(path) as f:
+            return from_dict(json.load(f))
+    except (OSError, ValueError) as e:
+        raise UserError(f"--resolved {path}: cannot read the resolved config ({e}); it is "
+                        f"written by `ddpflow launch`, which starts this command") from None
+
+
+def _rank(args) -> int:
+    """One rank's work under torchrun. A user mistake found here is reported to the
+    launcher (error.json) and the rank exits 0: torchrun restarts crashes, not mistakes."""
+    from . import stopflag
+
+    stopflag.install()  # before the heavy imports: a stop signal in start-up is not lost
+    from .launch import report_rank_error
+
+    cfg = _resolved(args.resolved)
+    folder = cfg.stage_dir(args.stage) if args.command == "train" else cfg.run_dir / "tune"
+    try:
+        if args.command == "train":
+            from .train import main as train_main
+
+            return train_main(cfg, args.stage, args.halt_after_steps)
+        from .tune import run as tune_run
+
+        tune_run(cfg, args.stage, _caps(args.memory_cap_mb))
+        return 0
+    except UserError as e:
+        report_rank_error(folder, e)
+        return 0
 
 
 def _caps(text: str | None) -> list[float] | None:
@@ -101,24 +139,8 @@ def _caps(text: str | None) -> list[float] | None:
 
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "train":
-        import json
-
-        from .train import main as train_main
-
-        with open(args.resolved) as f:
-            cfg = from_dict(json.load(f))
-        return train_main(cfg, args.stage, args.halt_after_steps)
-
-    if args.command == "tune-rank":
-        import json
-
-        from .tune import run as tune_run
-
-        with open(args.resolved) as f:
-            cfg = from_dict(json.load(f))
-        tune_run(cfg, args.stage, _caps(args.memory_cap_mb))
-        return 0
+    if args.command in ("train", "tune-rank"):
+        return _rank(args)
 
     cfg = load_config(args.config, args.overrides)
     if args.command == "doctor":
@@ -172,14 +194,29 @@ def run(argv: list[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
+# errors of the machine or of a path the user chose, not of ddpflow: one line, no traceback
+USER_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+               errno.EACCES: "permission denied", errno.EROFS: "read-only file system",
+               errno.ENOTDIR: "a path component is a file, not a folder",
+               errno.EEXIST: "a file is in the way", errno.EISDIR: "is a folder",
+               errno.ENAMETOOLONG: "file name too long", errno.EPERM: "not permitted"}
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
     except UserError as e:
         print(f"ddpflow: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        if e.errno not in USER_ERRNOS:
+            raise
+        where = f" at {e.filename}" if e.filename else ""
+        print(f"ddpflow: error: cannot write{where}: {USER_ERRNOS[e.errno]}; check "
+              f"results_dir in the config and the free space there", file=sys.stderr)
+        return UserError.exit_code
     except KeyboardInterrupt:
-        print("ddpflow: interrupted", file=sys.stderr)
+        print("ddpflow: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
 
 

@@ -28,6 +28,7 @@ from .container import git_revision
 from .data.prepared import write_json_atomic
 from .errors import UserError
 from .metrics import read_records
+from .provenance import stage_result
 from .report import render
 from .summary import read_summary
 
@@ -54,7 +55,7 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
     if (folder / "metrics.jsonl").is_file():
         records, problems = read_records(folder / "metrics.jsonl")
         notes += problems
-    s = read_summary(folder / "summary.json")
+    s, stale = stage_result(cfg, name)
     if s is None:
         if (folder / "summary.json").is_file():
             notes.append("not finished: summary.json is unreadable or truncated")
@@ -64,7 +65,10 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         row["steps"] = max((r["step"] for r in records if "step" in r), default=0)
     else:
         row.update({k: s.get(k) for k in COLUMNS if k in s})
-        row["finished"] = True
+        row["finished"] = stale is None  # a stale result is shown, never called finished
+        if stale:
+            row["stale"] = stale
+            notes.append(f"{stale}; run the stage (or the workflow) again")
         if row.get("mean_samples_per_s") is not None:
             row["samples_per_s_per_rank"] = row["mean_samples_per_s"] / s["world_size"]
     for kind in ("final", "best"):
@@ -171,5 +175,6 @@ def headline(cfg: Config, rows: list[dict]) -> str:
                          f"{r['wall_time_s']:.0f} s  {r['mean_samples_per_s'] or 0:.0f} samples/s "
                          f"on {r['world_size']} rank(s), {r['precision']}")
         else:
-            lines.append(f"  {r['stage']:12s} NOT FINISHED ({r['note']})")
+            what = "STALE" if r.get("stale") else "NOT FINISHED"
+            lines.append(f"  {r['stage']:12s} {what} ({r['note']})")
     return "\n".join(lines) + "\n"

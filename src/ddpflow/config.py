@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,7 @@ class Config:
     seed: int
     deterministic: bool
     log_every_steps: int
+    stop_check_s: float  # seconds between checks for a stop signal between log boundaries
     data: DataCfg
     model: ModelCfg
     hardware: HardwareCfg
@@ -185,7 +187,8 @@ class Config:
         """Hash of what one stage's result depends on: everything but the other stages."""
         d = self.to_dict()
         d["stages"] = d["stages"][: self.stage_index(name) + 1]
-        d.pop("log_every_steps", None)
+        d.pop("log_every_steps", None)  # how often we look, not what is computed
+        d.pop("stop_check_s", None)
         return config_hash(d)
 
 
@@ -236,35 +239,86 @@ def _where(path) -> str:
     return ".".join(str(p) for p in path) or "(top level)"
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """repr() capped: a message never prints a whole huge value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + " ...]"
+
+
+_FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _yaml_hint(err: jsonschema.ValidationError) -> str:
+    """What YAML did to the value, where that explains the error."""
+    value = err.instance
+    if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+        return (f" (YAML 1.1 reads {_short(value.strip(), 30)} as text: write it with a dot "
+                f"and a signed exponent, e.g. 1.0e-3)")
+    if isinstance(value, bool) and err.validator in ("type", "pattern", "enum"):
+        return (" (YAML reads yes/no/on/off/true/false as a boolean: quote it, e.g. "
+                "name: 'no')")
+    return ""
+
+
 def _message(err: jsonschema.ValidationError) -> str:
     where = _where(err.absolute_path)
+    hint = _yaml_hint(err)
     if err.validator == "additionalProperties":
         allowed = sorted(err.schema.get("properties", {}))
         extra = sorted(set(err.instance) - set(allowed))
-        keys = ", ".join(repr(k) for k in extra)
+        names = [str(k)[:40] for k in extra[:5]] + (["..."] if len(extra) > 5 else [])
         prefix = "" if where == "(top level)" else where + "."
-        return (f"unknown key {prefix}{extra[0] if len(extra) == 1 else '{' + keys + '}'}"
-                f"; allowed keys here: {', '.join(allowed)}")
+        shown = names[0] if len(names) == 1 else "{" + ", ".join(names) + "}"
+        return f"unknown key {prefix}{shown}; allowed keys here: {', '.join(allowed)}"
     if err.validator == "enum":
         allowed = ", ".join(map(repr, err.validator_value))
-        return f"{where}: {err.instance!r} is not one of {allowed}"
+        return f"{where}: {_short(err.instance)} is not one of {allowed}{hint}"
     if err.validator == "oneOf":
         options = []
         for sub in err.validator_value:
             options.append(repr(sub["const"]) if "const" in sub else
                            f"{sub.get('type')} >= {sub.get('minimum')}")
-        return f"{where}: {err.instance!r} is not allowed; use {' or '.join(options)}"
-    if err.validator == "required":
-        return f"{where}: {err.message}"
-    return f"{where}: {err.message}"
+        return f"{where}: {_short(err.instance)} is not allowed; use {' or '.join(options)}{hint}"
+    if err.validator == "type":
+        want = err.validator_value
+        want = " or ".join(want) if isinstance(want, list) else want
+        return f"{where}: {_short(err.instance)} is not of type '{want}'{hint}"
+    if err.validator == "pattern":
+        return (f"{where}: {_short(err.instance)} is not a valid name: use letters, digits, "
+                f"'.', '_' and '-', starting with a letter or digit{hint}")
+    if err.validator == "maxLength":
+        return f"{where}: {_short(err.instance)} is longer than {err.validator_value} characters"
+    if err.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        return f"{where}: {_short(err.instance)} {err.message.split(' ', 1)[1]}"
+    return f"{where}: {_short(err.message, 200)}"
+
+
+def _wants_integer(schema: dict) -> bool:
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types and "number" not in types:
+        return True
+    return any(_wants_integer(s) for s in schema.get("oneOf", []))
+
+
+def _coerce_integers(value: Any, schema: dict) -> Any:
+    """32.0 where the schema wants an integer becomes 32 (YAML and --set write floats)."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return {k: _coerce_integers(v, props[k]) if k in props else v for k, v in value.items()}
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_coerce_integers(v, schema["items"]) for v in value]
+    if isinstance(value, float) and value.is_integer() and _wants_integer(schema):
+        return int(value)
+    return value
 
 
 def validate(raw: dict[str, Any]) -> dict[str, Any]:
     """Validate a raw config dict, fill defaults, and return it. Raises UserError."""
     if not isinstance(raw, dict):
         raise UserError("the config must be a YAML mapping of keys to values")
-    d = copy.deepcopy(raw)
     schema = _schema()
+    d = _coerce_integers(copy.deepcopy(raw), schema)
     cls = _with_defaults(jsonschema.validators.validator_for(schema))
     errors = sorted(cls(schema).iter_errors(d), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
@@ -291,6 +345,7 @@ def _build(d: dict[str, Any]) -> Config:
     return Config(
         run=d["run"], results_dir=d["results_dir"], seed=d["seed"],
         deterministic=d["deterministic"], log_every_steps=d["log_every_steps"],
+        stop_check_s=d["stop_check_s"],
         data=DataCfg(**data), model=ModelCfg(**d["model"]), hardware=HardwareCfg(**hw),
         checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
         tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]),
@@ -338,19 +393,90 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     return d
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of settings, not data
+MAX_YAML_NODES = 100_000  # after expanding aliases: refuses "billion laughs" documents
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses duplicate keys (last-one-wins silently drops a
+    setting) and documents whose aliases expand to more than MAX_YAML_NODES nodes."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise UserError(f"duplicate key {_short(key)} at line "
+                                    f"{key_node.start_mark.line + 1} (first at line {first}); "
+                                    f"YAML would silently keep only the last one: remove one")
+        return super().construct_mapping(node, deep)
+
+
+def _expanded_size(node, sizes: dict, active: set) -> int:
+    """Nodes in the document once every alias is expanded (memoised; cycles refused)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in active:
+        raise UserError("the config refers to itself through a YAML alias (a cycle)")
+    active.add(key)
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    else:
+        children = []
+    for child in children:
+        total += _expanded_size(child, sizes, active)
+        if total > MAX_YAML_NODES:
+            break
+    active.discard(key)
+    sizes[key] = total
+    return total
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--config {p} is a directory; pass a YAML file, e.g. "
+                        f"config/config.yaml")
     if not p.is_file():
         raise UserError(f"config file not found: {p} (pass --config with a YAML file, "
                         f"e.g. config/config.yaml)")
+    blob = p.read_bytes()[: MAX_CONFIG_BYTES + 1]
+    if len(blob) > MAX_CONFIG_BYTES:
+        raise UserError(f"config file {p} is larger than {MAX_CONFIG_BYTES >> 10} KiB; "
+                        f"a config holds settings, not data")
     try:
-        with open(p) as f:
-            raw = yaml.safe_load(f)
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {p} is not UTF-8 text (byte 0x{blob[e.start]:02x} at "
+                        f"offset {e.start}); save it as UTF-8 YAML") from None
+    try:
+        loader = _StrictLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None and _expanded_size(node, {}, set()) > MAX_YAML_NODES:
+                raise UserError(f"config file {p} expands to more than {MAX_YAML_NODES} "
+                                f"values through YAML aliases; refused (write it out)")
+            raw = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise UserError(f"config file {p} is not valid YAML{at}: "
                         f"{getattr(e, 'problem', None) or e}") from None
+    except UserError as e:
+        raise UserError(f"config file {p}: {e}") from None
     return raw if raw is not None else {}
 
 

@@ -14,15 +14,19 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from . import checkpoint, locks
 from .config import Config
 from .data import prepared
+from .data.prepare import check_settings
 from .data.prepared import write_json_atomic
 from .errors import UserError
-from .summary import read_summary
+from .provenance import expected_record, stage_result
 
 EXIT_STOPPED = 75  # stopped at a checkpoint before the end (preempted): run again to resume
 EXIT_DIVERGED = 3  # loss became NaN/inf: rerunning the same settings will not help
@@ -82,24 +86,75 @@ def stage_ranks(cfg: Config, stage: str) -> tuple[int, str, dict[str, str]]:
     return (1 if cfg.stage(stage).strategy == "dp" else n), device, env
 
 
-def preflight(cfg: Config, stage: str) -> None:
-    """Everything a stage needs that can be checked before any rank starts."""
+def preflight(cfg: Config, stage: str, world: int = 1) -> None:
+    """Everything a stage needs that can be checked before any rank starts: a mistake found
+    here costs no rank start-up and no torchrun restart."""
     st = cfg.stage(stage)
-    if st.batch_size == "auto" and not (cfg.run_dir / "tune.json").is_file():
-        raise UserError(f"stages.{cfg.stage_index(stage)}.batch_size is auto but "
-                        f"{cfg.run_dir / 'tune.json'} does not exist: run `ddpflow tune "
-                        f"--config ...` (or set tune.enabled: true in the workflow), or give "
-                        f"a number")
-    if prepared.read_meta(cfg.data_dir) is None:
+    i = cfg.stage_index(stage)
+    if st.batch_size == "auto":
+        from .tune import load_choice
+
+        choice, mismatch = load_choice(cfg, st)
+        if choice is None:
+            raise UserError(f"stages.{i}.batch_size is auto but " + (mismatch or (
+                f"{cfg.run_dir / 'tune.json'} does not exist: run `ddpflow tune --config ...` "
+                f"(or set tune.enabled: true in the workflow), or give a number")))
+    meta = prepared.read_meta(cfg.data_dir)
+    if meta is None:
         raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare --config ...`"
                         f" first (or the workflow's data rule)")
+    check_settings(cfg, meta)
+    changed = prepared.changed_files(cfg.data_dir, meta)
+    if changed:
+        raise UserError(f"the prepared data at {cfg.data_dir} changed after it was prepared "
+                        f"({', '.join(changed)}); run `ddpflow prepare --config ...`: it "
+                        f"checks the files and prepares them again if they differ")
+    if st.batch_size != "auto":
+        need = st.batch_size * world * st.grad_accum_steps
+        have = meta["counts"]["train"]["total"]
+        if need > have:
+            raise UserError(f"stages.{i}.batch_size {st.batch_size} x {world} rank(s) x "
+                            f"{st.grad_accum_steps} accumulation = {need} samples per step, "
+                            f"but the training split has {have}; lower the batch size")
+    model = _model_on_meta(cfg, meta)
     if st.init_from == "previous":
-        prev = cfg.stages[cfg.stage_index(stage) - 1].name
-        if read_summary(cfg.stage_dir(prev) / "summary.json") is None:
+        prev = cfg.stages[i - 1].name
+        summary, stale = stage_result(cfg, prev)
+        if summary is None:
             raise UserError(f"stage '{stage}' starts from stage '{prev}', which has not "
                             f"finished; run '{prev}' first")
-    elif st.init_from and not Path(st.init_from).is_file():
-        raise UserError(f"init_from of stage '{stage}': {st.init_from} does not exist")
+        if stale:
+            raise UserError(f"stage '{stage}' starts from stage '{prev}', whose result is "
+                            f"{stale}; run '{prev}' again first (the workflow does)")
+    elif st.init_from:
+        src = Path(st.init_from)
+        if not src.is_file():
+            raise UserError(f"init_from of stage '{stage}': {src} does not exist")
+        if model is not None:
+            checkpoint.check_fits(model, checkpoint.load_weights(src, f"stages.{i}.init_from"),
+                                  f"stages.{i}.init_from {src}")
+
+
+def _model_on_meta(cfg: Config, meta: dict):
+    """The stage's model on the meta device (no memory), after one forward at the data's
+    image size: an image too small for the model fails here, not in every rank."""
+    import torch
+
+    from .models import build_model, input_channels
+
+    h, w, c = meta["image_shape"]
+    in_ch = input_channels(cfg.model.name, c)
+    with torch.device("meta"):
+        model = build_model(cfg.model.name, meta["num_classes"], in_ch)
+        try:
+            model.eval()(torch.zeros(2, in_ch, h, w))
+        except (NotImplementedError, TypeError):  # an op without a meta kernel: skip the probe
+            pass
+        except RuntimeError as e:
+            raise UserError(f"data.image_size {h} is too small for model.name "
+                            f"'{cfg.model.name}' ({str(e).splitlines()[0][:160]}); use larger "
+                            f"images or another model") from None
+    return model
 
 
 def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
@@ -150,12 +205,39 @@ def slurm_hosts() -> list[str]:
     return out.split()
 
 
+def _children(pid: int) -> list[int]:
+    """Direct children of pid (torchrun's ranks; not their DataLoader workers), from /proc."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            found.append(int(entry))
+    return found
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _child_setup() -> None:
-    # runs in the torchrun process before exec: its own process group (so one killpg reaches
-    # torchrun and every rank), no death from SIGUSR1 (torchrun has no handler for it; the
-    # ranks install their own), and SIGTERM if this launcher dies (no orphaned ranks)
+    # runs in the torchrun process before exec: its own process group, no death from
+    # SIGUSR1 (torchrun has no handler for it; a scheduler may signal every process of the
+    # job; the ranks install their own), and SIGTERM if this launcher dies (torchrun then
+    # stops its ranks: no orphans)
     os.setpgid(0, 0)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # Ctrl-C reaches this launcher, which turns it into SIGTERM for the group: the ranks
+    # then stop at a checkpoint instead of dying of KeyboardInterrupt mid-import
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
 
@@ -164,31 +246,62 @@ def _child_setup() -> None:
         pass
 
 
-def _torchrun(cmd: list, env: dict) -> tuple[int, str | None]:
-    """Run torchrun; relay stop signals to its process group. Returns (exit code, signal)."""
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_child_setup)
+def _torchrun(cmd: list, env: dict, watch: Path | None = None) -> tuple[int, str | None]:
+    """Run torchrun; relay stop signals to its ranks; stop the group soon after a
+    rank reports a user mistake in `watch` (the other ranks may be waiting for it in a
+    collective). Returns (exit code, signal)."""
     got: dict = {"signal": None}
+    proc = None
 
     def forward(signum, _frame):
-        # SIGUSR1 goes to the ranks as it is (torchrun ignores it); SIGTERM/SIGINT become
-        # SIGTERM, which torchrun relays too. Either way every rank checkpoints and stops.
         got["signal"] = signal.Signals(signum).name
+        if proc is not None:  # else it is relayed as soon as torchrun has started
+            relay(signum)
+
+    def relay(signum):
+        # torchrun starts each rank in a session of its own, and on SIGTERM it kills its
+        # ranks 30 s later: so the signal goes to the ranks themselves (SIGINT as SIGTERM).
+        # They checkpoint at their next check and exit 0; torchrun then ends by itself.
         sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        ranks = _children(proc.pid)
+        for pid in ranks:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if not ranks:  # no rank yet, nothing to save: torchrun stops what it started
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
-    return proc.wait(), got["signal"]
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_child_setup)
+    if got["signal"]:
+        relay(signal.Signals[got["signal"]])
+    seen = None
+    while True:
+        try:
+            return proc.wait(timeout=0.5), got["signal"]
+        except subprocess.TimeoutExpired:
+            pass
+        if watch is not None and watch.is_file():
+            seen = seen or time.monotonic()
+            if time.monotonic() - seen > 3.0:  # the others had time to report too
+                _kill_group(proc)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
 
 
 def _read_failure(out: Path) -> dict | None:
-    try:
-        return json.loads((out / "failed.json").read_text())
-    except (OSError, ValueError):
-        return None
+    return _read_json(out / "failed.json")
 
 
 def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = ()) -> int:
@@ -196,50 +309,101 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
 
     st = cfg.stage(stage)
     out = cfg.stage_dir(st.name)
-    resolved = out / "config.json"
     in_image = cfg.container.engine != "none" and not os.environ.get(container.IN_CONTAINER)
+    n = 1
     if in_image:
         print(f"ddpflow: stage '{stage}' runs in the {cfg.container.engine} image "
               f"{cfg.container.image}", file=sys.stderr)
     else:
         ranks = stage_ranks(cfg, stage)
         n, device, _ = ranks
-        cmd, env = plan(cfg, stage, resolved, list(extra_args), ranks=ranks)
+        cmd, env = plan(cfg, stage, out / "config.json", list(extra_args), ranks=ranks)
         shown = " ".join(f"{k}={v}" for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES")
         print(f"ddpflow: stage '{stage}': {n} rank(s) on {device}", file=sys.stderr)
         print(f"ddpflow: {shown + ' ' if shown else ''}{' '.join(cmd)}", file=sys.stderr)
     if dry_run:
         return 0
-    preflight(cfg, stage)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(resolved, cfg.to_dict())
-    if in_image:
-        rc, stop_signal = container.run_stage(cfg, resolved, stage, list(extra_args)), None
-    else:
-        write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
-        rc, stop_signal = _torchrun(cmd, env)
-    summary = read_summary(out / "summary.json")
+    # one writer per stage; inside the container the launcher outside already holds it
+    held = (nullcontext() if os.environ.get(container.IN_CONTAINER)
+            else locks.exclusive(out / ".lock", f"stage '{stage}' ({out})"))
+    preflight(cfg, stage, n)  # read-only: a mistake writes nothing, not even the lock
+    with held:
+        summary, stale = stage_result(cfg, stage)
+        if summary is not None and not stale:
+            print(f"ddpflow: stage '{stage}' already finished with these settings, code and "
+                  f"data (nothing to do): {out / 'summary.json'}", file=sys.stderr)
+            return 0
+        refuse_repeated_divergence(cfg, stage)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RANK_ERROR).unlink(missing_ok=True)
+        write_json_atomic(out / "config.json", cfg.to_dict())
+        if in_image:
+            rc, stop_signal = container.run_stage(cfg, out / "config.json", stage,
+                                                  list(extra_args)), None
+        else:
+            write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
+            rc, stop_signal = _torchrun(cmd, env, watch=out / RANK_ERROR)
+        return _outcome(cfg, stage, rc, stop_signal, quiet=in_image)
+
+
+RANK_ERROR = "error.json"  # a user mistake found inside a rank (see report_rank_error)
+
+
+def report_rank_error(folder: Path, err: UserError) -> None:
+    """Called in a rank: record the mistake for the launcher, which stops the group and
+    prints it once. The rank then exits 0, so torchrun does not restart a mistake."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / RANK_ERROR, {"message": str(err),
+                                            "rank": int(os.environ.get("RANK", 0))})
+
+
+def refuse_repeated_divergence(cfg: Config, stage: str) -> None:
+    """A stage that diverged with exactly these inputs diverges again: a retry (Snakemake's
+    `retries`) stops at once instead of resuming into the same NaN."""
+    failed = _read_failure(cfg.stage_dir(stage))
+    if failed and failed.get("record") == expected_record(cfg, stage):
+        raise DivergedBefore(f"stage '{stage}' diverged with these settings before: "
+                             f"{failed['reason']}; change the settings (or delete "
+                             f"{cfg.stage_dir(stage) / 'failed.json'} to try them again)")
+
+
+class DivergedBefore(UserError):
+    exit_code = EXIT_DIVERGED
+
+
+def _outcome(cfg: Config, stage: str, rc: int, stop_signal: str | None, quiet: bool) -> int:
+    """The launcher's one message and exit code, from what the ranks left behind."""
+    out = cfg.stage_dir(stage)
+    said = (lambda *a, **k: None) if quiet else print
+    rank_error = _read_json(out / RANK_ERROR)
+    if rank_error:
+        raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
+    summary, stale = stage_result(cfg, stage)
     failed = _read_failure(out)
-    if failed and not summary:
-        print(f"ddpflow: error: stage '{stage}' stopped: {failed['reason']}; the last good "
-              f"checkpoint is kept in {out / 'checkpoints'}", file=sys.stderr)
+    if failed and failed.get("record") == expected_record(cfg, stage):
+        said(f"ddpflow: error: stage '{stage}' stopped: {failed['reason']}; the last good "
+             f"checkpoint is kept in {out / 'checkpoints'}", file=sys.stderr)
         return EXIT_DIVERGED
-    if rc == 0 and summary:
-        print(f"ddpflow: stage '{stage}' finished: val_acc {summary['final_val_acc']:.4f} "
-              f"(best {summary['best_val_acc']:.4f}), {summary['steps']} steps, "
-              f"{summary['wall_time_s']:.1f} s -> {out / 'summary.json'}", file=sys.stderr)
+    if rc == 0 and summary and not stale:
+        said(f"ddpflow: stage '{stage}' finished: val_acc {summary['final_val_acc']:.4f} "
+             f"(best {summary['best_val_acc']:.4f}), {summary['steps']} steps, "
+             f"{summary['wall_time_s']:.1f} s -> {out / 'summary.json'}", file=sys.stderr)
         return 0
+    has_ckpt = bool(checkpoint.list_checkpoints(out / "checkpoints"))
     if rc in (0, EXIT_STOPPED) or stop_signal:
-        if not in_image:
-            print(f"ddpflow: stage '{stage}' stopped at a checkpoint before its end "
-                  f"(preempted); run the same command again to resume from "
-                  f"{out / 'checkpoints'}", file=sys.stderr)
+        if not has_ckpt:
+            said(f"ddpflow: stage '{stage}' was stopped ({stop_signal or 'signal'}) before its "
+                 f"first checkpoint: nothing to resume; run the same command again to start "
+                 f"it", file=sys.stderr)
+        else:
+            said(f"ddpflow: stage '{stage}' stopped at a checkpoint before its end "
+                 f"(preempted); run the same command again to resume from "
+                 f"{out / 'checkpoints'}", file=sys.stderr)
         return EXIT_STOPPED
-    if not in_image:
-        print(f"ddpflow: error: stage '{stage}' failed: torchrun exited with {rc} after up to "
-              f"{cfg.hardware.max_restarts} restart(s); completed checkpoints are kept in "
-              f"{out / 'checkpoints'} and a rerun resumes from the newest valid one",
-              file=sys.stderr)
+    kept = (f"completed checkpoints are kept in {out / 'checkpoints'} and a rerun resumes "
+            f"from the newest valid one" if has_ckpt else "no checkpoint was written yet")
+    said(f"ddpflow: error: stage '{stage}' failed: torchrun exited with {rc} after up to "
+         f"{cfg.hardware.max_restarts} restart(s); {kept}", file=sys.stderr)
     return rc if rc > 0 else 1
 
 
@@ -247,16 +411,23 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
     """`ddpflow tune`: one torchrun whose ranks measure together; writes <run>/tune.json."""
     stage = stage or cfg.tune.stage or cfg.stages[0].name
     cfg.stage(stage)
-    if prepared.read_meta(cfg.data_dir) is None:
+    meta = prepared.read_meta(cfg.data_dir)
+    if meta is None:
         raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
+    check_settings(cfg, meta)
     out = cfg.run_dir / "tune"
     resolved = out / "config.json"
     extra = [f"--memory-cap-mb={memory_cap_mb}"] if memory_cap_mb else []
     cmd, env = plan(cfg, stage, resolved, extra, command="tune-rank")
     print(f"ddpflow: tuning for stage '{stage}': {' '.join(cmd)}", file=sys.stderr)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(resolved, cfg.to_dict())
-    rc, _ = _torchrun(cmd, env)
+    with locks.exclusive(out / ".lock", f"tuning of run '{cfg.run}' ({out})"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RANK_ERROR).unlink(missing_ok=True)
+        write_json_atomic(resolved, cfg.to_dict())
+        rc, _ = _torchrun(cmd, env, watch=out / RANK_ERROR)
+        rank_error = _read_json(out / RANK_ERROR)
+        if rank_error:
+            raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
     result = cfg.run_dir / "tune.json"
     if rc != 0 or not result.is_file():
         print(f"ddpflow: error: tuning failed (torchrun exited with {rc})", file=sys.stderr)

@@ -57,6 +57,24 @@ def build_optimizer(model: nn.Module, st, lr: float, device: torch.device):
     return torch.optim.AdamW(groups, lr=lr, **fused)
 
 
+class StopPoll:
+    """When the ranks next ask each other whether a stop signal arrived: about every
+    `every_s` seconds of training (besides each log boundary), so a signal is answered
+    within about a minute whatever log_every_steps is, without a collective per step.
+    The interval comes from step times all ranks gathered, so every rank computes the same
+    next step and joins the same collective."""
+
+    def __init__(self, every_s: float, start_step: int):
+        self.every_s = every_s
+        self.next = start_step + 1  # the first step: a first measurement of the step time
+
+    def due(self, step: int) -> bool:
+        return step >= self.next
+
+    def seen(self, step: int, step_time_s: float) -> None:
+        self.next = step + max(1, int(self.every_s / max(step_time_s, 1e-9)))
+
+
 def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20

@@ -14,26 +14,26 @@ precision, resume, the loop, the end of the stage.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from . import checkpoint, distributed
-from .config import Config, code_fingerprint, config_hash
+from . import checkpoint, distributed, stopflag
+from .config import Config, config_hash
 from .data import prepared
 from .data.loaders import Normalize, TrainBatches, choose_loader, val_batches
 from .efficiency import FlopCount, GpuSampler, peak_flops
 from .errors import UserError
 from .metrics import MetricsLog, efficiency_means, read_records
 from .models import build_model, input_channels, param_count, unwrap
+from .provenance import init_source, make_record
 from .runtime import (
+    StopPoll,
     build_optimizer,
     environment,
     lr_factor,
@@ -46,8 +46,6 @@ from .runtime import (
 from .summary import write_summary
 from .tune import load_choice, tune_path
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
 
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
     """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
@@ -59,12 +57,13 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     d = distributed.setup(cfg.hardware, process_group=st.strategy == "ddp")
     distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
     # "auto" settings come from tune.json where `ddpflow tune` has measured this node
-    tuned = load_choice(cfg)
+    tuned, mismatch = load_choice(cfg, st)
     batch_size = st.batch_size
     if batch_size == "auto":
         if tuned is None:
-            raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size is auto but there "
-                            f"is no {tune_path(cfg)}; run `ddpflow tune` first")
+            raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size is auto but "
+                            + (mismatch or f"there is no {tune_path(cfg)}; run `ddpflow tune` "
+                               f"first"))
         batch_size = tuned["batch_size"]
     channels_last, compile_model = st.channels_last, st.compile
     if st.precision == "auto" and tuned:
@@ -75,17 +74,14 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     if d.device.type == "cuda" and precision == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls/convs
         torch.backends.cudnn.allow_tf32 = True
-    stop = {"signal": None}
-
-    def on_signal(signum, _frame):  # only set a flag: saving inside a handler can deadlock
-        stop["signal"] = signal.Signals(signum).name
-
-    for s in PREEMPT_SIGNALS:
-        signal.signal(s, on_signal)
+    stopflag.install()  # (again: `ddpflow train` installs it before its imports)
 
     def say(msg: str) -> None:
         if d.is_master:
             tqdm.write(f"[{st.name}] {msg}", file=sys.stderr)
+
+    if mismatch:
+        say(f"not using tune.json: {mismatch}")
 
     # ---------------------------------------------------------------- data
     meta, arrays = prepared.load(cfg.data_dir)
@@ -117,13 +113,15 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
 
     # ---------------------------------------------------------------- model
     model = build_model(cfg.model.name, meta["num_classes"], in_ch)
-    if st.init_from:
-        src = (cfg.stage_dir(cfg.stages[cfg.stage_index(st.name) - 1].name) / "final.pt"
-               if st.init_from == "previous" else Path(st.init_from))
+    src = init_source(cfg, st.name)
+    if src is not None:
+        setting = f"stages.{cfg.stage_index(st.name)}.init_from {src}"
         if not src.is_file():
-            raise UserError(f"init_from of stage '{st.name}': {src} does not exist; "
-                            f"run the earlier stage first or fix the path")
-        model.load_state_dict(checkpoint.load(src)["model"])
+            raise UserError(f"{setting} does not exist; run the earlier stage first or fix "
+                            f"the path")
+        weights = checkpoint.load_weights(src, setting)
+        checkpoint.check_fits(model, weights, setting)
+        model.load_state_dict(weights)
         say(f"initialised from {src}")
     model.to(d.device)
     if channels_last:
@@ -131,7 +129,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     if d.backend and cfg.model.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if st.strategy == "dp":  # baseline only: one process driving every visible GPU
-        model = nn.DataParallel(model) if d.device.type == "cuda" else model
+        model = nn.DataParallel(model)  # without GPUs it calls the module as it is
     else:
         model = distributed.wrap_ddp(model, d)  # DDP when more than one rank trains
     train_model = torch.compile(model) if compile_model else model
@@ -152,9 +150,10 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     best = {"val_acc": -1.0, "val_loss": None, "step": None, "epoch": None}
     loss_carry, loss_count = 0.0, 0  # a resumed log interval's partial loss sum
     skipped_carry = 0
-    init_sha = checkpoint.sha256_of(src) if st.init_from else None
-    resume_key = config_hash({"stage": cfg.stage_hash(st.name), "code": code_fingerprint(),
-                              "init": init_sha})
+    # what this stage's results are made from; checkpoints of other inputs are not resumed
+    record = make_record(cfg, st.name, meta["fingerprint"],
+                         checkpoint.sha256_of(src) if src is not None else None)
+    resume_key = config_hash(record)
     found = (checkpoint.latest_valid(ckpt_dir, resume_key,
                                      warn=print if d.is_master else lambda *a, **k: None)
              if cfg.checkpoint.resume == "auto" else None)
@@ -204,7 +203,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "skipped_steps": int(skipped.item()),
                 "rng": rngs, "stage": st.name, "config": cfg.to_dict(),
                 "config_hash": cfg.hash, "stage_hash": cfg.stage_hash(st.name),
-                "resume_key": resume_key, "init_sha256": init_sha,
+                "resume_key": resume_key, "record": record,
             }
             checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
         return True
@@ -227,7 +226,10 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
     peak = peak_flops(d.device, precision)  # per GPU, or None (CPU, unknown GPU)
     gpu = GpuSampler(d.device) if d.is_master else None
     halted = False
-    while step < total_steps and not halted:
+    stop_poll = StopPoll(cfg.stop_check_s, step)
+    # an epoch whose steps are done but not yet validated (stopped at its last step) is
+    # validated on resume: in_epoch > 0 until the epoch's validation has run
+    while (step < total_steps or in_epoch > 0) and not halted:
         train_model.train()
         t_interval, wait, n_interval = time.perf_counter(), 0.0, 0
         it = batches.epoch(epoch, start_in_epoch)
@@ -267,6 +269,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
             loss_count += 1
             bar.update(1)
 
+            stop_now = False
             if step % cfg.log_every_steps == 0 or step == total_steps:
                 # sync point: loss to host, per-rank timings gathered
                 now = time.perf_counter()
@@ -275,7 +278,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 # one collective: timings, this rank's first bad step, its stop flag
                 per_rank = distributed.all_gather_floats(
                     d, [dt / n_interval, wait / dt, float(first_bad.item()),
-                        1.0 if stop["signal"] else 0.0])
+                        1.0 if stopflag.received() else 0.0])
                 bad_steps = [int(r[2]) for r in per_rank if r[2] >= 0]
                 if bad_steps:  # every rank sees it and stops; the last checkpoint stays
                     diverged = divergence(bad_steps, loss_value)
@@ -308,12 +311,21 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 loss_count = 0
                 first_interval = False
                 t_interval, wait, n_interval = time.perf_counter(), 0.0, 0
-                # preemption: every rank stops at the same step
-                if any(r[3] > 0 for r in per_rank):
-                    say(f"{stop['signal'] or 'signal'} received: checkpoint at step {step}")
-                    save_checkpoint()
-                    halted = True
-                    break
+                stop_poll.seen(step, max(r[0] for r in per_rank))
+                stop_now = any(r[3] > 0 for r in per_rank)
+            elif stop_poll.due(step):
+                # a small collective every ~stop_check_s seconds between log boundaries (a
+                # sync point): has any rank been asked to stop?
+                per_rank = distributed.all_gather_floats(
+                    d, [(time.perf_counter() - t_interval) / n_interval,
+                        1.0 if stopflag.received() else 0.0])
+                stop_poll.seen(step, max(r[0] for r in per_rank))
+                stop_now = any(r[1] > 0 for r in per_rank)
+            if stop_now:  # preemption: every rank stops at the same step
+                say(f"{stopflag.received() or 'signal'} received: checkpoint at step {step}")
+                save_checkpoint()
+                halted = True
+                break
             if halt_after_steps is not None and step >= halt_after_steps:
                 save_checkpoint()
                 say(f"halted after step {step} as asked; the checkpoint resumes it")
@@ -343,7 +355,8 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
             best = {"val_acc": val_acc, "val_loss": val_loss, "step": step, "epoch": epoch}
             if d.is_master:
                 checkpoint.save_file(out / "best.pt", {"model": unwrap(model).state_dict(),
-                                                       "config": cfg.to_dict(), "step": step})
+                                                       "config": cfg.to_dict(), "step": step,
+                                                       "record": record})
         if d.is_master:
             log.write({"kind": "val", "step": step, "epoch": epoch, "val_loss": val_loss,
                        "val_acc": val_acc, "time_s": elapsed + time.perf_counter() - t_start})
@@ -363,11 +376,12 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         log.close()
         if diverged:
             write_summary(out / "failed.json", {"stage": st.name, "reason": diverged,
-                                                "step": step})
+                                                "step": step, "record": record})
             say(f"stopped: {diverged}")
         elif not halted:
-            checkpoint.save_file(out / "final.pt", {"model": unwrap(model).state_dict(),
-                                                    "config": cfg.to_dict(), "step": step})
+            final_sha = checkpoint.save_file(out / "final.pt", {
+                "model": unwrap(model).state_dict(), "config": cfg.to_dict(), "step": step,
+                "record": record})
             records, problems = read_records(out / "metrics.jsonl")
             last_val = [r for r in records if r["kind"] == "val"][-1]
             write_summary(out / "summary.json", {
@@ -383,6 +397,7 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "peak_flops_per_gpu": peak,
                 "world_size": d.world, "device": d.device.type, "backend": d.backend,
                 "precision": precision, "strategy": st.strategy,
+                "wrapper": type(model).__name__ if model is not unwrap(model) else None,
                 "batch_size_per_rank": batch_size, "grad_accum_steps": accum,
                 "channels_last": channels_last, "compile": compile_model, "tuned": tuned,
                 "global_batch": global_batch, "lr_effective": lr,
@@ -393,7 +408,8 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
                 "rank_weight_sha256": weight_hashes, "environment": environment(d.device),
                 "weights_in_sync": len(set(weight_hashes)) == 1,
                 "config": cfg.to_dict(), "config_hash": cfg.hash,
-                "stage_hash": cfg.stage_hash(st.name),
+                "stage_hash": cfg.stage_hash(st.name), "record": record,
+                "final_sha256": final_sha,
             })
             say(f"done: {out / 'summary.json'}")
     distributed.teardown(d)

@@ -16,6 +16,7 @@ The choices are greedy, one after the other. Every measurement and the choice go
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -29,6 +30,7 @@ from . import distributed
 from .config import Config, StageCfg
 from .data import prepared
 from .data.loaders import Normalize, TrainBatches, forever
+from .data.prepare import settings_fingerprint
 from .data.prepared import write_json_atomic
 from .errors import UserError
 from .models import build_model, input_channels
@@ -43,11 +45,33 @@ def tune_path(cfg: Config) -> Path:
     return cfg.run_dir / "tune.json"
 
 
-def load_choice(cfg: Config) -> dict | None:
+def tune_settings(cfg: Config, st: StageCfg) -> dict:
+    """What a measurement depends on besides the choices it makes: a stage with other
+    settings must not take a tune.json measured for these."""
+    hw = cfg.hardware
+    return {"model.name": cfg.model.name, "data": settings_fingerprint(cfg),
+            "data.augment": dataclasses.asdict(cfg.data.augment),
+            "hardware": [hw.device, hw.nproc_per_node, hw.devices, hw.threads_per_rank,
+                         hw.nodes],
+            "optimizer": st.optimizer, "strategy": st.strategy,
+            "grad_accum_steps": st.grad_accum_steps}
+
+
+def load_choice(cfg: Config, st: StageCfg) -> tuple[dict | None, str | None]:
+    """(tune.json's choice, None) when it was measured for this stage's settings;
+    (None, why not) when it exists but was measured for others; (None, None) without one."""
     try:
-        return json.loads(tune_path(cfg).read_text())["choice"]
-    except (OSError, ValueError, KeyError):
-        return None
+        t = json.loads(tune_path(cfg).read_text())
+        choice = t["choice"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+    want = tune_settings(cfg, st)
+    got = t.get("settings") or {}
+    differ = [k for k in want if got.get(k) != want[k]]
+    if differ:
+        return None, (f"{tune_path(cfg)} was measured for other settings "
+                      f"({', '.join(differ)}); run `ddpflow tune` again")
+    return choice, None
 
 
 def find_max_batch(fits, start: int, limit: int) -> tuple[int, list[tuple[int, bool]]]:
@@ -194,7 +218,12 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         own.append((b, ok))
         return bool(_all_min(d, int(ok)))  # every rank must fit
 
-    own_max, trials = find_max_batch(fits, tc.start_batch, tc.max_batch)
+    # never a batch larger than a rank's share of the data: such an epoch has no batches
+    limit = min(tc.max_batch, len(labels) // d.world)
+    if limit < 1:
+        raise UserError(f"the training split ({len(labels)} samples) is smaller than the "
+                        f"{d.world} rank(s) that would share it")
+    own_max, trials = find_max_batch(fits, min(tc.start_batch, limit), limit)
     agreed = _all_min(d, own_max)
     if agreed < 1:
         raise UserError("not even a batch of 1 fits in device memory; choose a smaller "
@@ -261,7 +290,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         "batch_search": {"per_rank": gathered, "agreed_max_batch": agreed,
                          "candidates": batch_rows},
         "loader": loader_rows, "precision": prec_rows, "choice": choice,
-        "config_hash": cfg.hash,
+        "config_hash": cfg.hash, "settings": tune_settings(cfg, st),
     }
     # choose on rank 0's measurements so that every rank uses the same answer
     result = distributed.broadcast_object(d, result)

@@ -42,8 +42,15 @@ fi
 echo "downloading wheels for the base image"
 ctx="$work/base-context"
 rm -rf "$ctx" && mkdir -p "$ctx/wheels"
-python3 -m pip download -q -d "$ctx/wheels" "torch==2.13.0+cpu" "numpy>=1.24" "pyyaml>=6" \
-  "jsonschema>=4.18" "tqdm>=4.60" "pillow>=9" "setuptools>=64"
+# torch for the image: the small CPU build (a local version, served by PyTorch's CPU wheel
+# index or by a pip configured with local wheels) where pip finds it, else the default
+# wheel of the plain package index (a CUDA build: several GB with its CUDA libraries)
+needs=("numpy>=1.24" "pyyaml>=6" "jsonschema>=4.18" "tqdm>=4.60" "pillow>=9" "setuptools>=64")
+torch_pin=${DDPFLOW_TEST_TORCH:-2.13.0}
+if ! python3 -m pip download -q -d "$ctx/wheels" "torch==${torch_pin}+cpu" "${needs[@]}"; then
+  echo "torch==${torch_pin}+cpu is not served here: using the default torch==${torch_pin} wheel"
+  python3 -m pip download -q -d "$ctx/wheels" "torch==${torch_pin}" "${needs[@]}"
+fi
 cp "$here/../docker/base.Dockerfile" "$ctx/Dockerfile"
 echo "building $BASE_TAG"
 docker build --network host -t "$BASE_TAG" "$ctx" >"$work/base-build.log" 2>&1 \

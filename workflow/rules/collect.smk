@@ -42,7 +42,7 @@ rule collect:
     params:
         cfg=WCFG,
     shell:
-        "ddpflow collect --config {params.cfg} > {log} 2>&1"
+        "ddpflow collect --config {params.cfg:q} > {log:q} 2>&1"
 
 
 onsuccess:

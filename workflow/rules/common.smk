@@ -41,7 +41,7 @@ def config_upto(stage):
     keep = {
         k: v
         for k, v in config.items()
-        if k not in ("stages", "slurm", "log_every_steps")
+        if k not in ("stages", "slurm", "log_every_steps", "stop_check_s")
     }
     return {**keep, "stages": config["stages"][: i + 1]}
 
@@ -105,3 +105,17 @@ LOADER_KEYS = (
 def data_inputs():
     path = config["data"]["path"]
     return [path] if path and Path(path).is_file() else []
+
+
+def data_listing():
+    """Names, sizes and modification times of a data folder's files: an image added,
+    removed or replaced reruns the preparation (a folder's own mtime misses those)."""
+    path = config["data"]["path"]
+    if not path or not Path(path).is_dir():
+        return ""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.relative_to(path)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]

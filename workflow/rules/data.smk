@@ -12,6 +12,7 @@ rule prepare_data:
         cfg=WCFG,
         data={k: v for k, v in config["data"].items() if k not in LOADER_KEYS},
         seed=config["seed"],
+        files=data_listing(),
         code=code_version("data"),
     shell:
-        "ddpflow prepare --config {params.cfg} > {log} 2>&1"
+        "ddpflow prepare --config {params.cfg:q} > {log:q} 2>&1"

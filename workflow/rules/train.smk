@@ -22,4 +22,4 @@ rule train:
         settings=lambda wildcards: config_upto(wildcards.stage),
         code=code_version(),
     shell:
-        "ddpflow launch --config {params.cfg} --stage {wildcards.stage} > {log} 2>&1"
+        "ddpflow launch --config {params.cfg:q} --stage {wildcards.stage:q} > {log:q} 2>&1"

@@ -20,4 +20,4 @@ rule tune:
         tune=config["tune"],
         code=code_version(),
     shell:
-        "ddpflow tune --config {params.cfg} > {log} 2>&1"
+        "ddpflow tune --config {params.cfg:q} > {log:q} 2>&1"

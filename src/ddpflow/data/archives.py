@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import pickle
 import struct
 import tarfile
@@ -109,9 +110,27 @@ def _cifar_members(path: Path, spec: dict) -> dict[str, bytes]:
     return found
 
 
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Unpickles what the official CIFAR files hold (dicts, lists, bytes, numbers, numpy
+    arrays) and nothing else: a dataset file is data, never code, even with
+    verify_checksum: false."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"),
+               ("numpy._core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
+               ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}: not dataset content")
+
+
 def _unpickle(name: str, blob: bytes) -> dict:
     try:
-        return pickle.loads(blob, encoding="bytes")
+        return _DataOnlyUnpickler(io.BytesIO(blob), encoding="bytes").load()
+    except pickle.UnpicklingError as e:
+        raise UserError(f"CIFAR file {name} is not plain data ({e}); it is not an official "
+                        f"CIFAR file: replace it") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
         raise UserError(f"CIFAR file {name} cannot be read ({type(e).__name__}); "
                         f"it is truncated or corrupt") from None

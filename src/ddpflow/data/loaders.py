@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..config import Augment
+from ..errors import UserError
 
 
 class EpochSampler(DistributedSampler):
@@ -156,10 +157,17 @@ class TrainBatches:
 
 
 def forever(make_epoch):
-    """Batches of epoch 0, 1, 2, ... without end: make_epoch(e) yields one epoch."""
+    """Batches of epoch 0, 1, 2, ... without end: make_epoch(e) yields one epoch.
+    An epoch without a single batch is an error, not an endless loop."""
     epoch = 0
     while True:
-        yield from make_epoch(epoch)
+        n = 0
+        for batch in make_epoch(epoch):
+            n += 1
+            yield batch
+        if n == 0:
+            raise UserError("an epoch has no batch: the batch is larger than a rank's share "
+                            "of the training data; lower the batch size")
         epoch += 1
 
 

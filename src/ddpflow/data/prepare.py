@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from .. import locks
 from ..config import Config
 from ..errors import UserError
 from . import archives, imagefolder, prepared, synthetic
@@ -24,11 +25,39 @@ PREPARE_KEYS = ("source", "path", "image_size", "num_classes", "train_size", "va
                 "grayscale", "val_fraction", "max_bad_fraction", "verify_checksum")
 
 
+def settings(cfg: Config) -> dict[str, Any]:
+    """The config settings the prepared arrays depend on (the seed draws splits and caps)."""
+    return {**{f"data.{k}": getattr(cfg.data, k) for k in PREPARE_KEYS}, "seed": cfg.seed}
+
+
+def settings_fingerprint(cfg: Config) -> str:
+    """Cheap: the settings only, no file listing. What `launch` and `tune` compare."""
+    return hashlib.sha256(json.dumps(settings(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_settings(cfg: Config, meta: dict[str, Any]) -> None:
+    """UserError naming the data settings that differ from those the data was prepared with."""
+    if meta.get("settings_fingerprint") == settings_fingerprint(cfg):
+        return
+    then = meta.get("settings") or {}
+    now = settings(cfg)
+    diff = [f"{k}: {_short(then.get(k))} -> {_short(v)}" for k, v in now.items()
+            if then.get(k) != v] or ["(recorded by an older ddpflow)"]
+    raise UserError(f"the prepared data at {cfg.data_dir} was made with other data settings "
+                    f"({'; '.join(diff[:4])}); run `ddpflow prepare --config ...` to prepare "
+                    f"it again (the workflow does this by itself)")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:55] + " ..."
+
+
 def fingerprint(cfg: Config) -> str:
+    """The settings and the input files' names, sizes and modification times."""
     d = cfg.data
     h = hashlib.sha256()
-    h.update(json.dumps({k: getattr(d, k) for k in PREPARE_KEYS}, sort_keys=True).encode())
-    h.update(str(cfg.seed).encode())
+    h.update(json.dumps(settings(cfg), sort_keys=True).encode())
     if d.path:
         p = Path(d.path)
         paths = sorted(p.rglob("*")) if p.is_dir() else [p]
@@ -48,10 +77,19 @@ def _cap(x: np.ndarray, y: np.ndarray, n: int | None, seed: int):
     return x[keep], y[keep]
 
 
+def _cap_items(items: list, n: int | None, seed: int) -> list:
+    """At most n (file, label) pairs: a seeded random subset, order kept."""
+    if n is None or n >= len(items):
+        return items
+    keep = np.sort(np.random.default_rng(seed).choice(len(items), size=n, replace=False))
+    return [items[i] for i in keep]
+
+
 def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> None:
     d = cfg.data
     if d.source == "synthetic":
         ch = 1 if d.grayscale else 3
+        # null sizes: 4096 / 1024 generated samples
         for split, n in (("train", d.train_size or 4096), ("val", d.val_size or 1024)):
             x, y = synthetic.generate(n, d.num_classes, d.image_size, ch, cfg.seed, split)
             prepared.save_split(folder, split, x, y)
@@ -86,6 +124,14 @@ def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> None:
         tr, va = imagefolder.stratified_split(labels, d.val_fraction, cfg.seed)
         train_items, val_items = [items[i] for i in tr], [items[i] for i in va]
         meta["split"] = f"stratified, val_fraction {d.val_fraction}, seed {cfg.seed}"
+    if len(classes) < 2:
+        raise UserError(f"{path} has one class folder ({classes[0]}); classification needs at "
+                        f"least two: add a folder per class")
+    if not val_items:
+        raise UserError(f"the validation split of {path} is empty: raise data.val_fraction "
+                        f"(now {d.val_fraction}) or add images (or a val/ folder)")
+    train_items = _cap_items(train_items, d.train_size, cfg.seed)
+    val_items = _cap_items(val_items, d.val_size, cfg.seed + 1)
     nworkers = imagefolder.workers(d.prepare_workers)
     skipped = []
     total = len(train_items) + len(val_items)
@@ -104,30 +150,59 @@ def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> None:
     meta["prepare_workers"] = nworkers
 
 
-def prepare(cfg: Config, force: bool = False, out: Path | None = None) -> tuple[dict, bool]:
-    """Prepare cfg's dataset into cfg.data_dir (or out). Returns (meta, did_work)."""
+def prepare(cfg: Config, force: bool = False, out: Path | None = None,
+            verify: bool = False) -> tuple[dict, bool]:
+    """Prepare cfg's dataset into cfg.data_dir (or out). Returns (meta, did_work).
+
+    One writer at a time (`<folder>.lock`). Up to date = same fingerprint and the arrays
+    unchanged since (size and modification time; `verify` also re-hashes them)."""
     target = Path(out or cfg.data_dir)
-    fp = fingerprint(cfg)
-    existing = prepared.read_meta(target)
-    if existing and existing.get("fingerprint") == fp and not force:
-        return existing, False
+    with locks.exclusive(target.with_name(target.name + ".lock"),
+                         f"the prepared data folder {target}"):
+        fp = fingerprint(cfg)
+        existing = prepared.read_meta(target)
+        if existing and existing.get("fingerprint") == fp and not force:
+            changed = prepared.changed_files(target, existing)
+            if not changed and not verify:
+                return existing, False
+            if _hashes_match(target, existing):
+                if changed:  # touched or copied, same bytes: record the new times
+                    existing["mtime_ns"] = prepared.file_stats(target, existing)
+                    prepared.write_json_atomic(target / "meta.json", existing)
+                return existing, False
+            print(f"ddpflow: prepared data at {target} was changed after it was prepared "
+                  f"({', '.join(changed) or 'checksum mismatch'}); preparing it again",
+                  file=sys.stderr)
+        meta = prepared.build_into(target, lambda folder: _build(cfg, folder, fp))
+        meta["mtime_ns"] = prepared.file_stats(target, meta)  # times in their final place
+        prepared.write_json_atomic(target / "meta.json", meta)
+        return meta, True
 
-    def build(folder: Path) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        meta: dict[str, Any] = {"source": cfg.data.source, "path": cfg.data.path,
-                                "fingerprint": fp, "image_size": cfg.data.image_size}
-        _build_arrays(cfg, folder, meta)
-        meta["num_classes"] = len(meta["classes"])
-        seconds = time.perf_counter() - t0
-        meta = prepared.finish(folder, meta)
-        n = meta["counts"]["train"]["total"] + meta["counts"]["val"]["total"]
-        meta["seconds"] = round(seconds, 3)
-        meta["images_per_s"] = round(n / max(seconds, 1e-9), 1)
-        meta["bytes_written"] = sum(meta["bytes"].values())
-        prepared.write_json_atomic(folder / "meta.json", meta)
-        return meta
 
-    return prepared.build_into(target, build), True
+def _hashes_match(folder: Path, meta: dict[str, Any]) -> bool:
+    try:
+        prepared.verify(folder, meta)
+    except UserError:
+        return False
+    return True
+
+
+def _build(cfg: Config, folder: Path, fp: str) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    meta: dict[str, Any] = {"source": cfg.data.source, "path": cfg.data.path,
+                            "fingerprint": fp, "settings": settings(cfg),
+                            "settings_fingerprint": settings_fingerprint(cfg),
+                            "image_size": cfg.data.image_size}
+    _build_arrays(cfg, folder, meta)
+    meta["num_classes"] = len(meta["classes"])
+    seconds = time.perf_counter() - t0
+    meta = prepared.finish(folder, meta)
+    n = meta["counts"]["train"]["total"] + meta["counts"]["val"]["total"]
+    meta["seconds"] = round(seconds, 3)
+    meta["images_per_s"] = round(n / max(seconds, 1e-9), 1)
+    meta["bytes_written"] = sum(meta["bytes"].values())
+    prepared.write_json_atomic(folder / "meta.json", meta)
+    return meta
 
 
 def describe(meta: dict[str, Any], folder: Path, did_work: bool) -> str:

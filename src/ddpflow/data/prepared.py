@@ -6,17 +6,19 @@ A prepared dataset is a folder with
     val_images.npy    uint8 [M, H, W, C]
     val_labels.npy    int64 [M]
     meta.json         classes, counts, mean/std, source, sha256 of each array, format version
-It is built in a sibling `<name>.partial` folder and renamed into place only when
-complete; meta.json is written last. A folder without a valid meta.json is never
-read as a dataset.
+It is built in a sibling `.<name>.partial-*` folder and renamed into place only when
+complete; meta.json is written last; `<name>.lock` admits one writer at a time.
+A folder without a valid meta.json is never read as a dataset.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +48,29 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _allocated_memmap(path: Path, dtype, shape):
+    """open_memmap with the file's blocks reserved first: a full disk is an ENOSPC error
+    here, not a SIGBUS later when a page of the (sparse) mapping is written."""
+    arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    try:
+        with open(path, "r+b") as f:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    except OSError as e:
+        del arr
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            need = np.prod(shape, dtype=np.int64) * np.dtype(dtype).itemsize
+            raise UserError(f"no space left on {path.parent} ({need / 1e6:.0f} MB needed for "
+                            f"{path.name}); free space or point results_dir elsewhere"
+                            ) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: go on
+            raise
+    return arr
+
+
 def open_split(folder: Path, split: str, n: int, shape: tuple[int, int, int]):
     """Allocate the image/label arrays of one split on disk; the caller fills them."""
-    images = np.lib.format.open_memmap(folder / f"{split}_images.npy", mode="w+",
-                                       dtype=np.uint8, shape=(n, *shape))
-    labels = np.lib.format.open_memmap(folder / f"{split}_labels.npy", mode="w+",
-                                       dtype=np.int64, shape=(n,))
+    images = _allocated_memmap(folder / f"{split}_images.npy", np.uint8, (n, *shape))
+    labels = _allocated_memmap(folder / f"{split}_labels.npy", np.int64, (n,))
     return images, labels
 
 
@@ -105,17 +124,41 @@ def finish(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def file_stats(folder: Path, meta: dict[str, Any]) -> dict[str, int]:
+    """Modification times (ns) of the arrays, recorded once the folder is in place: a later
+    change in place (same size) shows as a different time."""
+    return {name: (Path(folder) / name).stat().st_mtime_ns for name in meta["bytes"]}
+
+
+def changed_files(folder: Path, meta: dict[str, Any]) -> list[str]:
+    """Arrays whose size or modification time differ from meta.json's record (cheap)."""
+    changed = []
+    for name, size in meta["bytes"].items():
+        try:
+            st = (Path(folder) / name).stat()
+        except OSError:
+            changed.append(name)
+            continue
+        if st.st_size != size or st.st_mtime_ns != meta.get("mtime_ns", {}).get(name):
+            changed.append(name)
+    return changed
+
+
 def read_meta(folder: Path) -> dict[str, Any] | None:
     """meta.json of a complete prepared folder, or None (missing, partial, other version)."""
     try:
         with open(Path(folder) / "meta.json") as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # missing, unreadable, not JSON, not UTF-8
         return None
-    if meta.get("format_version") != FORMAT_VERSION:
+    # a foreign or hand-edited meta.json is "no dataset", never a crash
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         return None
-    for name, size in meta.get("bytes", {}).items():
-        p = Path(folder) / name
+    sizes = meta.get("bytes")
+    if not isinstance(sizes, dict) or not isinstance(meta.get("sha256"), dict):
+        return None
+    for name, size in sizes.items():
+        p = Path(folder) / str(name)
         if not p.is_file() or p.stat().st_size != size:
             return None
     return meta
@@ -142,11 +185,13 @@ def load(folder: Path) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.n
 
 
 def build_into(target: Path, build) -> dict[str, Any]:
-    """Run `build(partial_folder) -> meta` and move the result to `target` atomically."""
+    """Run `build(partial_folder) -> meta` in a folder of its own beside `target` and move
+    the result to `target` atomically (callers hold the folder's lock)."""
     target = Path(target)
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.partial-*"):  # left by a killed build
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         meta = build(partial)
     except BaseException:
