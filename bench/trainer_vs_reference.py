@@ -4,8 +4,10 @@ the compute-only limit: same model, data, global batch and precision.
     python bench/trainer_vs_reference.py [--model resnet18] [--steps 60] [--rounds 3]
 
   ddpflow       `ddpflow launch` (real torchrun, 1 rank, all cores): device loader, batched
-                augmentation; its summary's mean samples/s (first log interval left out);
-                run with and without channels_last, the better one counts
+                augmentation; wall-clock samples/s over the same steps as the others (after
+                the same warm-up, from its metrics' timestamps; the epoch is longer than the
+                run, so no validation or checkpoint falls inside); run with and without
+                channels_last, the better one counts
   reference     DataLoader + DistributedSampler over decoded PIL images with per-sample
                 transforms (RandomCrop pad 4, flip, ToTensor, Normalize), workers,
                 autocast + GradScaler, SGD in torch's default implementation, as torchvision's
@@ -19,6 +21,7 @@ Rounds alternate the variants; each keeps its best round. Prints the ratios, als
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -41,7 +44,9 @@ BATCH, WARMUP = 128, 10
 
 def config(tmp: Path, name: str, args, channels_last: bool) -> dict:
     return {"run": "bench", "results_dir": str(tmp / "results"), "log_every_steps": 10,
-            "data": {"train_size": 8192, "val_size": 256, "loader": "device"},
+            # longer than the run: no epoch end (validation, checkpoint) in the timed steps
+            "data": {"train_size": BATCH * (args.steps + WARMUP + 8), "val_size": 256,
+                     "loader": "device"},
             "model": {"name": args.model},
             "hardware": {"nproc_per_node": 1, "device": "cpu"},
             "checkpoint": {"every_steps": 0, "resume": "never"},
@@ -50,9 +55,16 @@ def config(tmp: Path, name: str, args, channels_last: bool) -> dict:
 
 
 def ddpflow_run(tmp: Path, name: str, args, channels_last: bool, waits: list) -> float:
+    """Wall-clock samples/s from the end of step WARMUP to the last step, as timed_loop
+    times the others (the metrics' time_s is read after the step's results are on the host)."""
     summary = launch_stage(tmp, name, config(tmp, name, args, channels_last), prepare=False)
     waits.append(summary["data_wait_fraction"])  # the stage's own share of time spent waiting
-    return summary["mean_samples_per_s"]
+    metrics = tmp / "results" / "bench" / "stages" / name / "metrics.jsonl"
+    train = [r for r in map(json.loads, metrics.read_text().splitlines())
+             if r["kind"] == "train"]
+    first = next(r for r in train if r["step"] == WARMUP)
+    last = train[-1]
+    return (last["step"] - first["step"]) * BATCH / (last["time_s"] - first["time_s"])
 
 
 def reference_optimizer(model):

@@ -252,6 +252,7 @@ def _torchrun(cmd: list, env: dict, watch: Path | None = None) -> tuple[int, str
     collective). Returns (exit code, signal)."""
     got: dict = {"signal": None}
     proc = None
+    told: set[int] = set()  # ranks already given the stop signal
 
     def forward(signum, _frame):
         got["signal"] = signal.Signals(signum).name
@@ -264,11 +265,12 @@ def _torchrun(cmd: list, env: dict, watch: Path | None = None) -> tuple[int, str
         # They checkpoint at their next check and exit 0; torchrun then ends by itself.
         sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
         ranks = _children(proc.pid)
-        for pid in ranks:
+        for pid in set(ranks) - told:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+        told.update(ranks)
         if not ranks:  # no rank yet, nothing to save: torchrun stops what it started
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -286,6 +288,8 @@ def _torchrun(cmd: list, env: dict, watch: Path | None = None) -> tuple[int, str
             return proc.wait(timeout=0.5), got["signal"]
         except subprocess.TimeoutExpired:
             pass
+        if got["signal"]:  # ranks torchrun restarted after the signal are told as well
+            relay(signal.Signals[got["signal"]])
         if watch is not None and watch.is_file():
             seen = seen or time.monotonic()
             if time.monotonic() - seen > 3.0:  # the others had time to report too
