@@ -185,11 +185,29 @@ def test_user_mistakes_before_and_inside_ranks(tmp_path, monkeypatch, capfd):
     assert not (cfg.stage_dir("a") / "checkpoints").exists()
 
 
-def start(config: Path, log: Path) -> subprocess.Popen:
-    """The launcher in its own session, its stderr in a file the test can read meanwhile."""
-    return subprocess.Popen([sys.executable, "-m", "ddpflow", "launch", "--config",
-                             str(config), "--stage", "a"], cwd=REPO, stderr=open(log, "w"),
-                            start_new_session=True)
+@pytest.fixture
+def start():
+    """start(config, log): the launcher in its own session, its stderr in a file the test
+    reads meanwhile; whatever is left of it (ranks included) is killed after the test."""
+    import psutil
+
+    procs = []
+
+    def run(config: Path, log: Path) -> subprocess.Popen:
+        procs.append(subprocess.Popen([sys.executable, "-m", "ddpflow", "launch", "--config",
+                                       str(config), "--stage", "a"], cwd=REPO,
+                                      stderr=open(log, "w"), start_new_session=True))
+        return procs[-1]
+
+    yield run
+    for proc in procs:
+        if proc.poll() is None:
+            for p in [*psutil.Process(proc.pid).children(recursive=True),
+                      psutil.Process(proc.pid)]:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
 
 
 def wait_for_text(log: Path, text: str, timeout: float = 120) -> None:
@@ -199,7 +217,7 @@ def wait_for_text(log: Path, text: str, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def test_usr1_to_the_launcher_stops_between_log_lines(tmp_path):
+def test_usr1_to_the_launcher_stops_between_log_lines(tmp_path, start):
     """kill -USR1 <launcher>: every rank hears it, and with log lines 10,000 steps apart the
     time-based check (stop_check_s) still stops the stage at a checkpoint within seconds."""
     stages = [{"name": "a", "max_steps": 100000, "batch_size": 16, "lr": 0.01}]
@@ -221,7 +239,7 @@ def test_usr1_to_the_launcher_stops_between_log_lines(tmp_path):
     assert (stage(tmp_path, "a") / f"checkpoints/ckpt-{step:09d}.pt").is_file()
 
 
-def test_ctrl_c_during_start_up_says_what_happened(tmp_path):
+def test_ctrl_c_during_start_up_says_what_happened(tmp_path, start):
     p = setup(tmp_path, [TWO[0]])
     log = tmp_path / "launch.log"
     proc = start(p, log)

@@ -230,3 +230,19 @@ def test_a_diverged_stage_is_not_retried_into_the_same_nan(tmp_path):
     assert "resumed from" not in log
     failed = json.loads((tmp_path / "results/wf/stages/a/failed.json").read_text())
     assert "at step" in failed["reason"]
+
+
+def test_an_image_added_to_the_folder_reruns_preparation(tmp_path):
+    from fixtures import image_tree
+
+    root = image_tree(tmp_path / "imgs", per_class=6)
+    cfg = {**TINY, "data": {"source": "imagefolder", "path": str(root), "image_size": 16,
+                            "val_fraction": 0.34},
+           "stages": [{"name": "a", "max_steps": 2, "batch_size": 4}]}
+    write(tmp_path, cfg)
+    proc = snakemake(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Nothing to be done" in snakemake(tmp_path, "-n").stdout
+    shutil.copy2(root / "cat/img000.png", root / "cat/img999.png")  # one more image
+    assert planned(snakemake(tmp_path, "-n")) == {"prepare_data": 1, "train": 1,
+                                                  "collect": 1, "all": 1}
