@@ -57,17 +57,23 @@ def test_build_and_train_one_stage_in_the_container(tmp_path):
 
     # preemption reaches the ranks inside the container: SIGTERM to the launcher on the
     # host, the ranks checkpoint at a log boundary and the launcher exits 75
+    log = tmp_path / "preempted.log"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "ddpflow", "launch", "--config", str(p), "--stage", "s1",
-         "--set", "stages.0.max_steps=100000", "--set", "checkpoint.every_steps=5"],
-        cwd=REPO, stderr=subprocess.PIPE, text=True)
+         "--set", "stages.0.max_steps=100000"], cwd=REPO, stderr=open(log, "w"))
+    try:
+        t0 = time.time()
+        while "100000 steps" not in log.read_text():  # the ranks inside have started
+            assert time.time() - t0 < 300 and launcher.poll() is None, log.read_text()
+            time.sleep(0.2)
+        time.sleep(2)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    err = log.read_text()
     ckdir = tmp_path / "results/t/stages/s1/checkpoints"
-    t0 = time.time()
-    while not list(ckdir.glob("ckpt-*.pt")) and time.time() - t0 < 300:
-        time.sleep(0.2)
-    assert list(ckdir.glob("ckpt-*.pt")), "the containerised stage never checkpointed"
-    launcher.send_signal(signal.SIGTERM)
-    _, err = launcher.communicate(timeout=300)
     assert launcher.returncode == 75, err[-3000:]
     step = int(err.split("SIGTERM received: checkpoint at step ")[1].split()[0])
     assert (ckdir / f"ckpt-{step:09d}.pt").is_file()
