@@ -187,8 +187,10 @@ class Config:
         """Hash of what one stage's result depends on: everything but the other stages."""
         d = self.to_dict()
         d["stages"] = d["stages"][: self.stage_index(name) + 1]
-        d.pop("log_every_steps", None)  # how often we look, not what is computed
-        d.pop("stop_check_s", None)
+        # how often we look, and where results live: not what is computed (a moved or
+        # renamed results folder stays valid)
+        for key in ("log_every_steps", "stop_check_s", "results_dir", "run"):
+            d.pop(key, None)
         return config_hash(d)
 
 
