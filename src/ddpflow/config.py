@@ -20,7 +20,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-from .errors import UserError
+from .errors import UserError, short
+from .yamlfile import read_yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "config.schema.yaml"
 
@@ -241,12 +242,6 @@ def _where(path) -> str:
     return ".".join(str(p) for p in path) or "(top level)"
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """repr() capped: a message never prints a whole huge value."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 5] + " ...]"
-
-
 _FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
@@ -254,7 +249,7 @@ def _yaml_hint(err: jsonschema.ValidationError) -> str:
     """What YAML did to the value, where that explains the error."""
     value = err.instance
     if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
-        return (f" (YAML 1.1 reads {_short(value.strip(), 30)} as text: write it with a dot "
+        return (f" (YAML 1.1 reads {short(value.strip(), 30)} as text: write it with a dot "
                 f"and a signed exponent, e.g. 1.0e-3)")
     if isinstance(value, bool) and err.validator in ("type", "pattern", "enum"):
         return (" (YAML reads yes/no/on/off/true/false as a boolean: quote it, e.g. "
@@ -274,25 +269,25 @@ def _message(err: jsonschema.ValidationError) -> str:
         return f"unknown key {prefix}{shown}; allowed keys here: {', '.join(allowed)}"
     if err.validator == "enum":
         allowed = ", ".join(map(repr, err.validator_value))
-        return f"{where}: {_short(err.instance)} is not one of {allowed}{hint}"
+        return f"{where}: {short(err.instance)} is not one of {allowed}{hint}"
     if err.validator == "oneOf":
         options = []
         for sub in err.validator_value:
             options.append(repr(sub["const"]) if "const" in sub else
                            f"{sub.get('type')} >= {sub.get('minimum')}")
-        return f"{where}: {_short(err.instance)} is not allowed; use {' or '.join(options)}{hint}"
+        return f"{where}: {short(err.instance)} is not allowed; use {' or '.join(options)}{hint}"
     if err.validator == "type":
         want = err.validator_value
         want = " or ".join(want) if isinstance(want, list) else want
-        return f"{where}: {_short(err.instance)} is not of type '{want}'{hint}"
+        return f"{where}: {short(err.instance)} is not of type '{want}'{hint}"
     if err.validator == "pattern":
-        return (f"{where}: {_short(err.instance)} is not a valid name: use letters, digits, "
+        return (f"{where}: {short(err.instance)} is not a valid name: use letters, digits, "
                 f"'.', '_' and '-', starting with a letter or digit{hint}")
     if err.validator == "maxLength":
-        return f"{where}: {_short(err.instance)} is longer than {err.validator_value} characters"
+        return f"{where}: {short(err.instance)} is longer than {err.validator_value} characters"
     if err.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-        return f"{where}: {_short(err.instance)} {err.message.split(' ', 1)[1]}"
-    return f"{where}: {_short(err.message, 200)}"
+        return f"{where}: {short(err.instance)} {err.message.split(' ', 1)[1]}"
+    return f"{where}: {short(err.message, 200)}"
 
 
 def _wants_integer(schema: dict) -> bool:
@@ -393,93 +388,6 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             else:
                 raise UserError(f"--set {'.'.join(parts)}: {where} is not a mapping or list")
     return d
-
-
-MAX_CONFIG_BYTES = 1 << 20  # a config is a page of settings, not data
-MAX_YAML_NODES = 100_000  # after expanding aliases: refuses "billion laughs" documents
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that refuses duplicate keys (last-one-wins silently drops a
-    setting) and documents whose aliases expand to more than MAX_YAML_NODES nodes."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.setdefault(key, key_node.start_mark.line + 1)
-                except TypeError:  # an unhashable key: the base class reports it
-                    continue
-                if first != key_node.start_mark.line + 1:
-                    raise UserError(f"duplicate key {_short(key)} at line "
-                                    f"{key_node.start_mark.line + 1} (first at line {first}); "
-                                    f"YAML would silently keep only the last one: remove one")
-        return super().construct_mapping(node, deep)
-
-
-def _expanded_size(node, sizes: dict, active: set) -> int:
-    """Nodes in the document once every alias is expanded (memoised; cycles refused)."""
-    key = id(node)
-    if key in sizes:
-        return sizes[key]
-    if key in active:
-        raise UserError("the config refers to itself through a YAML alias (a cycle)")
-    active.add(key)
-    total = 1
-    if isinstance(node, yaml.SequenceNode):
-        children = node.value
-    elif isinstance(node, yaml.MappingNode):
-        children = [n for pair in node.value for n in pair]
-    else:
-        children = []
-    for child in children:
-        total += _expanded_size(child, sizes, active)
-        if total > MAX_YAML_NODES:
-            break
-    active.discard(key)
-    sizes[key] = total
-    return total
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"--config {p} is a directory; pass a YAML file, e.g. "
-                        f"config/config.yaml")
-    if not p.is_file():
-        raise UserError(f"config file not found: {p} (pass --config with a YAML file, "
-                        f"e.g. config/config.yaml)")
-    blob = p.read_bytes()[: MAX_CONFIG_BYTES + 1]
-    if len(blob) > MAX_CONFIG_BYTES:
-        raise UserError(f"config file {p} is larger than {MAX_CONFIG_BYTES >> 10} KiB; "
-                        f"a config holds settings, not data")
-    try:
-        text = blob.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"config file {p} is not UTF-8 text (byte 0x{blob[e.start]:02x} at "
-                        f"offset {e.start}); save it as UTF-8 YAML") from None
-    try:
-        loader = _StrictLoader(text)
-        try:
-            node = loader.get_single_node()
-            if node is not None and _expanded_size(node, {}, set()) > MAX_YAML_NODES:
-                raise UserError(f"config file {p} expands to more than {MAX_YAML_NODES} "
-                                f"values through YAML aliases; refused (write it out)")
-            raw = loader.construct_document(node) if node is not None else None
-        finally:
-            loader.dispose()
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(f"config file {p} is not valid YAML{at}: "
-                        f"{getattr(e, 'problem', None) or e}") from None
-    except UserError as e:
-        raise UserError(f"config file {p}: {e}") from None
-    return raw if raw is not None else {}
 
 
 def from_dict(raw: dict[str, Any]) -> Config:

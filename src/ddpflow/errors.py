@@ -9,3 +9,9 @@ class UserError(Exception):
     """A problem in the user's input; the message says what is wrong and what to do."""
 
     exit_code = 2
+
+
+def short(value, limit: int = 80) -> str:
+    """repr() capped: a message never prints a whole huge value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + " ..."

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from .data import prepared
 from .data.prepare import check_settings
 from .data.prepared import write_json_atomic
 from .errors import UserError
+from .procs import run_torchrun
 from .provenance import expected_record, stage_result
 
 EXIT_STOPPED = 75  # stopped at a checkpoint before the end (preempted): run again to resume
@@ -205,97 +204,6 @@ def slurm_hosts() -> list[str]:
     return out.split()
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of pid (torchrun's ranks; not their DataLoader workers), from /proc."""
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid:
-            found.append(int(entry))
-    return found
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _child_setup() -> None:
-    # runs in the torchrun process before exec: its own process group, no death from
-    # SIGUSR1 (torchrun has no handler for it; a scheduler may signal every process of the
-    # job; the ranks install their own), and SIGTERM if this launcher dies (torchrun then
-    # stops its ranks: no orphans)
-    os.setpgid(0, 0)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    # Ctrl-C reaches this launcher, which turns it into SIGTERM for the group: the ranks
-    # then stop at a checkpoint instead of dying of KeyboardInterrupt mid-import
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _torchrun(cmd: list, env: dict, watch: Path | None = None) -> tuple[int, str | None]:
-    """Run torchrun; relay stop signals to its ranks; stop the group soon after a
-    rank reports a user mistake in `watch` (the other ranks may be waiting for it in a
-    collective). Returns (exit code, signal)."""
-    got: dict = {"signal": None}
-    proc = None
-    told: set[int] = set()  # ranks already given the stop signal
-
-    def forward(signum, _frame):
-        got["signal"] = signal.Signals(signum).name
-        if proc is not None:  # else it is relayed as soon as torchrun has started
-            relay(signum)
-
-    def relay(signum):
-        # torchrun starts each rank in a session of its own, and on SIGTERM it kills its
-        # ranks 30 s later: so the signal goes to the ranks themselves (SIGINT as SIGTERM).
-        # They checkpoint at their next check and exit 0; torchrun then ends by itself.
-        sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
-        ranks = _children(proc.pid)
-        for pid in set(ranks) - told:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        told.update(ranks)
-        if not ranks:  # no rank yet, nothing to save: torchrun stops what it started
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(s, forward)
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_child_setup)
-    if got["signal"]:
-        relay(signal.Signals[got["signal"]])
-    seen = None
-    while True:
-        try:
-            return proc.wait(timeout=0.5), got["signal"]
-        except subprocess.TimeoutExpired:
-            pass
-        if got["signal"]:  # ranks torchrun restarted after the signal are told as well
-            relay(signal.Signals[got["signal"]])
-        if watch is not None and watch.is_file():
-            seen = seen or time.monotonic()
-            if time.monotonic() - seen > 3.0:  # the others had time to report too
-                _kill_group(proc)
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         d = json.loads(Path(path).read_text())
@@ -346,7 +254,7 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
                                                   list(extra_args)), None
         else:
             write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
-            rc, stop_signal = _torchrun(cmd, env, watch=out / RANK_ERROR)
+            rc, stop_signal = run_torchrun(cmd, env, watch=out / RANK_ERROR)
         return _outcome(cfg, stage, rc, stop_signal, quiet=in_image)
 
 
@@ -428,7 +336,7 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / RANK_ERROR).unlink(missing_ok=True)
         write_json_atomic(resolved, cfg.to_dict())
-        rc, _ = _torchrun(cmd, env, watch=out / RANK_ERROR)
+        rc, _ = run_torchrun(cmd, env, watch=out / RANK_ERROR)
         rank_error = _read_json(out / RANK_ERROR)
         if rank_error:
             raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .. import locks
 from ..config import Config
-from ..errors import UserError
+from ..errors import UserError, short
 from . import archives, imagefolder, prepared, synthetic
 
 PREPARE_KEYS = ("source", "path", "image_size", "num_classes", "train_size", "val_size",
@@ -41,16 +41,11 @@ def check_settings(cfg: Config, meta: dict[str, Any]) -> None:
         return
     then = meta.get("settings") or {}
     now = settings(cfg)
-    diff = [f"{k}: {_short(then.get(k))} -> {_short(v)}" for k, v in now.items()
+    diff = [f"{k}: {short(then.get(k))} -> {short(v)}" for k, v in now.items()
             if then.get(k) != v] or ["(recorded by an older ddpflow)"]
     raise UserError(f"the prepared data at {cfg.data_dir} was made with other data settings "
                     f"({'; '.join(diff[:4])}); run `ddpflow prepare --config ...` to prepare "
                     f"it again (the workflow does this by itself)")
-
-
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:55] + " ..."
 
 
 def fingerprint(cfg: Config) -> str:
