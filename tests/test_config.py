@@ -281,3 +281,14 @@ def test_the_library_never_imports_snakemake():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] == "snakemake" for n in names), f
+
+
+def test_json_configs_read_as_json(tmp_path):
+    """The workflow hands ddpflow a JSON config: 1e-05 there is a number (YAML 1.1 would
+    read it as text)."""
+    p = tmp_path / "c.json"
+    p.write_text('{"stages": [{"name": "a", "lr": 1e-05, "weight_decay": 5E-4}]}')
+    cfg = load_config(p)
+    assert cfg.stages[0].lr == 1e-05 and cfg.stages[0].weight_decay == 5e-4
+    p.write_text('{"stages": [')
+    assert_clean_failure(ddpflow("validate", "--config", p), "not valid JSON")

@@ -8,6 +8,7 @@ anything is expanded.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise UserError(f"config file {p} is not UTF-8 text (byte 0x{blob[e.start]:02x} at "
                         f"offset {e.start}); save it as UTF-8 YAML") from None
+    if p.suffix == ".json":  # e.g. the workflow's config: JSON's 1e-05 is text to YAML 1.1
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"config file {p} is not valid JSON: {e}") from None
+        return raw if raw is not None else {}
     try:
         loader = _StrictLoader(text)
         try:
