@@ -15,6 +15,8 @@ if not workflow.overwrite_configfiles:
 report: "workflow/report/workflow.rst"
 
 
+if isinstance(config.get("task"), str):  # `task: regression` is short for task.name
+    config["task"] = {"name": config["task"]}
 validate(config, "workflow/schemas/config.schema.yaml")
 
 

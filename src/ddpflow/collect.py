@@ -30,9 +30,10 @@ from .errors import UserError
 from .metrics import read_records
 from .provenance import stage_result
 from .report import render
-from .summary import read_summary
+from .summary import read_summary, result_text
 
-COLUMNS = ["stage", "finished", "epochs", "steps", "final_val_acc", "best_val_acc",
+COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
+           "final_val_acc", "best_val_acc",
            "final_val_loss", "best_val_loss", "wall_time_s", "mean_samples_per_s",
            "samples_per_s_per_rank", "data_wait_fraction", "mfu", "peak_mem_mib", "world_size",
            "precision", "global_batch", "loader", "final_checkpoint", "final_sha256",
@@ -65,6 +66,9 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         row["steps"] = max((r["step"] for r in records if "step" in r), default=0)
     else:
         row.update({k: s.get(k) for k in COLUMNS if k in s})
+        # every validation metric of the task under its own name: final_val_x, best_val_x
+        row.update({f"final_{k}": v for k, v in (s.get("final_metrics") or {}).items()})
+        row.update({f"best_{k}": v for k, v in (s.get("best_metrics") or {}).items()})
         row["finished"] = stale is None  # a stale result is shown, never called finished
         if stale:
             row["stale"] = stale
@@ -102,7 +106,9 @@ def gather_checkpoints(rows: list[dict], out: Path) -> list[dict]:
             index.append({"stage": r["stage"], "kind": kind, "file": dst.name, "source": src,
                           "sha256": r[f"{kind}_sha256"], "bytes": r[f"{kind}_bytes"],
                           "stored_as": how,
-                          "val_acc": r.get("final_val_acc" if kind == "final" else "best_val_acc")})
+                          "monitor": r.get("monitor"),
+                          "value": r.get(f"final_{r.get('monitor')}" if kind == "final"
+                                         else "best_value")})
     write_json_atomic(out / "index.json", {"checkpoints": index})
     return index
 
@@ -144,8 +150,10 @@ def collect(cfg: Config, repo: Path | None = None) -> dict:
     stage_records = [(st.name, recs) for st, (_, recs) in zip(cfg.stages, pairs)]
     index = gather_checkpoints(rows, out / "checkpoints")
     figures = {}
+    metric = monitored(cfg, rows)
     if any(recs for _, recs in stage_records):
-        figures["loss_accuracy"] = plots.loss_accuracy(stage_records, out / "loss_accuracy.png")
+        figures["loss_accuracy"] = plots.loss_accuracy(stage_records, out / "loss_accuracy.png",
+                                                       metric)
         figures["throughput"] = plots.throughput(stage_records, out / "throughput.png")
         figures["rank_step_time"] = plots.rank_step_times(stage_records,
                                                           out / "rank_step_time.png")
@@ -156,22 +164,35 @@ def collect(cfg: Config, repo: Path | None = None) -> dict:
                "checkpoints": index, "figures": sorted(figures),
                "config": cfg.to_dict()}
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    metric_columns = sorted({k for r in rows for k in r if k.startswith(("final_val_",
+                                                                          "best_val_"))}
+                            - set(COLUMNS))
+    w = csv.DictWriter(buf, fieldnames=COLUMNS + metric_columns, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
     (out / "summary.csv").write_text(buf.getvalue())
     write_json_atomic(out / "summary.json", summary)
-    (out / "report.html").write_text(render(cfg, summary, man, figures))
+    (out / "report.html").write_text(render(cfg, summary, man, figures, metric))
     (out / "headline.txt").write_text(headline(cfg, rows))
     return summary
+
+
+def monitored(cfg: Config, rows: list[dict]) -> str:
+    """The validation metric the run is judged by (what chose best.pt)."""
+    recorded = [r["monitor"] for r in rows if r.get("monitor")]
+    if recorded:
+        return recorded[0]
+    return cfg.task.monitor or ("val_acc" if cfg.task.name == "classification" else "val_loss")
 
 
 def headline(cfg: Config, rows: list[dict]) -> str:
     lines = [f"ddpflow run '{cfg.run}': {cfg.run_dir / 'summary' / 'report.html'}"]
     for r in rows:
         if r["finished"]:
-            lines.append(f"  {r['stage']:12s} val_acc {r['final_val_acc']:.4f} "
-                         f"(best {r['best_val_acc']:.4f})  {r['steps']} steps  "
+            m = r.get("monitor") or "val_acc"
+            shown = result_text({"monitor": m, "final_metrics": {m: r.get(f"final_{m}")},
+                                 "best_value": r.get("best_value", r.get("best_val_acc"))})
+            lines.append(f"  {r['stage']:12s} {shown}  {r['steps']} steps  "
                          f"{r['wall_time_s']:.0f} s  {r['mean_samples_per_s'] or 0:.0f} samples/s "
                          f"on {r['world_size']} rank(s), {r['precision']}")
         else:

@@ -37,6 +37,10 @@ class Augment:
 @dataclass(frozen=True)
 class DataCfg:
     source: str
+    factory: str | None  # source python: package.module:callable(split, **kwargs) -> Dataset
+    kwargs: dict  # source python: the factory's keyword arguments
+    code_dir: str | None  # folder of the factory's module (null = model.code_dir)
+    materialize: bool  # source python: prepare copies fixed-size images into arrays
     path: str | None
     image_size: int  # pixels (square)
     num_classes: int  # synthetic only; real sources report their own
@@ -58,8 +62,20 @@ class DataCfg:
 
 @dataclass(frozen=True)
 class ModelCfg:
-    name: str
+    name: str  # built-in, torchvision name, timm:NAME or package.module:callable
+    kwargs: dict  # keyword arguments of the model builder
+    code_dir: str | None  # folder of the user's model/task code, on sys.path of every rank
+    weights: str | None  # pretrained weights of stages without init_from
+    freeze: tuple[str, ...]  # parameter name prefixes kept frozen (a stage may override)
     sync_bn: bool
+
+
+@dataclass(frozen=True)
+class TaskCfg:
+    name: str  # classification | regression | package.module:callable
+    kwargs: dict
+    monitor: str | None  # val_<metric> that chooses best.pt (null = the task's default)
+    mode: str  # auto | min | max
 
 
 @dataclass(frozen=True)
@@ -136,6 +152,7 @@ class StageCfg:
     compile: bool
     strategy: str
     init_from: str | None
+    freeze: tuple[str, ...] | None  # parameter name prefixes frozen here (None = model.freeze)
 
 
 @dataclass(frozen=True)
@@ -148,6 +165,7 @@ class Config:
     stop_check_s: float  # seconds between checks for a stop signal between log boundaries
     data: DataCfg
     model: ModelCfg
+    task: TaskCfg
     hardware: HardwareCfg
     checkpoint: CheckpointCfg
     container: ContainerCfg
@@ -173,6 +191,10 @@ class Config:
                 return s
         names = ", ".join(s.name for s in self.stages)
         raise UserError(f"no stage named '{name}' in the config; stages are: {names}")
+
+    @property
+    def data_code_dir(self) -> str | None:
+        return self.data.code_dir or self.model.code_dir
 
     def stage_index(self, name: str) -> int:
         return [s.name for s in self.stages].index(self.stage(name).name)
@@ -316,6 +338,8 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
         raise UserError("the config must be a YAML mapping of keys to values")
     schema = _schema()
     d = _coerce_integers(copy.deepcopy(raw), schema)
+    if isinstance(d.get("task"), str):  # `task: regression` is short for task.name
+        d["task"] = {"name": d["task"]}
     cls = _with_defaults(jsonschema.validators.validator_for(schema))
     errors = sorted(cls(schema).iter_errors(d), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
@@ -328,10 +352,21 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
     if d["stages"][0].get("init_from") == "previous":
         raise UserError("invalid config: stages.0.init_from: the first stage has no previous "
                         "stage; use null or a path to weights")
-    if d["data"]["source"] not in ("synthetic",) and not d["data"]["path"]:
+    _check_sources(d)
+    return d
+
+
+def _check_sources(d: dict[str, Any]) -> None:
+    data = d["data"]
+    if data["source"] == "python" and not data["factory"]:
+        raise UserError("invalid config: data.source python needs data.factory, the "
+                        "package.module:callable that returns a Dataset for a split")
+    if data["factory"] and data["source"] != "python":
+        raise UserError(f"invalid config: data.factory is set but data.source is "
+                        f"'{data['source']}'; use data.source: python")
+    if data["source"] not in ("synthetic", "python") and not d["data"]["path"]:
         raise UserError(f"invalid config: data.path is required for data.source "
                         f"'{d['data']['source']}' (the folder or archive with the files)")
-    return d
 
 
 def _build(d: dict[str, Any]) -> Config:
@@ -339,14 +374,18 @@ def _build(d: dict[str, Any]) -> Config:
     data["augment"] = Augment(**data["augment"])
     hw = dict(d["hardware"])
     hw["devices"] = tuple(hw["devices"]) if hw["devices"] is not None else None
+    model = {**d["model"], "freeze": tuple(d["model"]["freeze"])}
+    stages = [{**s, "freeze": None if s["freeze"] is None else tuple(s["freeze"])}
+              for s in d["stages"]]
     return Config(
         run=d["run"], results_dir=d["results_dir"], seed=d["seed"],
         deterministic=d["deterministic"], log_every_steps=d["log_every_steps"],
         stop_check_s=d["stop_check_s"],
-        data=DataCfg(**data), model=ModelCfg(**d["model"]), hardware=HardwareCfg(**hw),
+        data=DataCfg(**data), model=ModelCfg(**model), task=TaskCfg(**d["task"]),
+        hardware=HardwareCfg(**hw),
         checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
         tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]),
-        stages=tuple(StageCfg(**s) for s in d["stages"]),
+        stages=tuple(StageCfg(**s) for s in stages),
     )
 
 

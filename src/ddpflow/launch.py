@@ -26,6 +26,8 @@ from .data.prepared import write_json_atomic
 from .errors import UserError
 from .procs import run_torchrun
 from .provenance import expected_record, stage_result
+from .summary import result_text
+from .userimport import add_code_dirs
 
 EXIT_STOPPED = 75  # stopped at a checkpoint before the end (preempted): run again to resume
 EXIT_DIVERGED = 3  # loss became NaN/inf: rerunning the same settings will not help
@@ -115,7 +117,9 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
             raise UserError(f"stages.{i}.batch_size {st.batch_size} x {world} rank(s) x "
                             f"{st.grad_accum_steps} accumulation = {need} samples per step, "
                             f"but the training split has {have}; lower the batch size")
+    add_code_dirs(cfg.model.code_dir, cfg.data_code_dir)
     model = _model_on_meta(cfg, meta)
+    _check_seams(cfg, st, meta, model)
     if st.init_from == "previous":
         prev = cfg.stages[i - 1].name
         summary, stale = stage_result(cfg, prev)
@@ -134,6 +138,37 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
                                   f"stages.{i}.init_from {src}")
 
 
+def _check_seams(cfg: Config, st, meta: dict, model) -> None:
+    """The task builds, model.weights fit the model and the freeze prefixes name
+    parameters: each mistake is one message here instead of one per rank."""
+    from .tasks import build_task, monitor
+    from .weights import freeze, load_pretrained, pretrained_file, read_state_dict
+
+    monitor(cfg, build_task(cfg, st, meta.get("num_classes")))
+    if model is None:
+        return
+    if not st.init_from and cfg.model.weights:
+        src = pretrained_file(cfg)
+        sd = read_state_dict(src, "model.weights")
+        load_pretrained(_ShapesOnly(model), sd, f"model.weights {src}")
+    prefixes = st.freeze if st.freeze is not None else cfg.model.freeze
+    freeze(model, prefixes, f"stages.{cfg.stage_index(st.name)}.freeze"
+           if st.freeze is not None else "model.freeze")
+
+
+class _ShapesOnly:
+    """A meta-device model seen by load_pretrained: shapes are checked, nothing is copied."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, *args, **kwargs):
+        return None
+
+
 def _model_on_meta(cfg: Config, meta: dict):
     """The stage's model on the meta device (no memory), after one forward at the data's
     image size: an image too small for the model fails here, not in every rank."""
@@ -141,10 +176,13 @@ def _model_on_meta(cfg: Config, meta: dict):
 
     from .models import build_model, input_channels
 
+    if meta.get("kind") == "python":  # a user dataset: any input; only build the model
+        with torch.device("meta"):
+            return build_model(cfg.model, meta.get("num_classes"), meta.get("in_channels"))
     h, w, c = meta["image_shape"]
     in_ch = input_channels(cfg.model.name, c)
     with torch.device("meta"):
-        model = build_model(cfg.model.name, meta["num_classes"], in_ch)
+        model = build_model(cfg.model, meta["num_classes"], in_ch)
         try:
             model.eval()(torch.zeros(2, in_ch, h, w))
         except (NotImplementedError, TypeError):  # an op without a meta kernel: skip the probe
@@ -297,8 +335,8 @@ def _outcome(cfg: Config, stage: str, rc: int, stop_signal: str | None, quiet: b
              f"checkpoint is kept in {out / 'checkpoints'}", file=sys.stderr)
         return EXIT_DIVERGED
     if rc == 0 and summary and not stale:
-        said(f"ddpflow: stage '{stage}' finished: val_acc {summary['final_val_acc']:.4f} "
-             f"(best {summary['best_val_acc']:.4f}), {summary['steps']} steps, "
+        said(f"ddpflow: stage '{stage}' finished: {result_text(summary)}, "
+             f"{summary['steps']} steps, "
              f"{summary['wall_time_s']:.1f} s -> {out / 'summary.json'}", file=sys.stderr)
         return 0
     has_ckpt = bool(checkpoint.list_checkpoints(out / "checkpoints"))
@@ -327,6 +365,10 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
     if meta is None:
         raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
     check_settings(cfg, meta)
+    if meta.get("kind") == "python" or cfg.task.name != "classification":
+        raise UserError("ddpflow tune measures the prepared image data with the classification "
+                        "task; with data.source python (without data.materialize) or another "
+                        "task, set batch_size and precision in the stage instead of auto")
     out = cfg.run_dir / "tune"
     resolved = out / "config.json"
     extra = [f"--memory-cap-mb={memory_cap_mb}"] if memory_cap_mb else []

@@ -1,10 +1,16 @@
-"""Models by name: `smallcnn` and `mlp` (small built-ins), or any torchvision classifier."""
+"""The model builder seam: `model.name` is a built-in (`smallcnn`, `mlp`), a torchvision
+classifier, `timm:NAME` (the optional timm extra) or the user's `package.module:callable`.
+Built-ins and user builders are called the same way: `model.kwargs` plus `num_classes` and
+`in_channels` where the callable takes them."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from torch import nn
 
 from .errors import UserError
+from .userimport import call, is_import_path, load_callable
 
 
 class SmallCNN(nn.Module):
@@ -45,22 +51,64 @@ class MLP(nn.Module):
 BUILTIN = {"smallcnn": SmallCNN, "mlp": MLP}
 
 
-def input_channels(name: str, data_channels: int) -> int:
-    """Channels the model takes: the built-ins adapt to the data, torchvision models want 3."""
-    return data_channels if name in BUILTIN else 3
-
-
-def build_model(name: str, num_classes: int, data_channels: int) -> nn.Module:
+def kind(name: str) -> str:
+    """builtin | torchvision | timm | user: which builder a model.name goes to."""
     if name in BUILTIN:
-        return BUILTIN[name](num_classes, in_channels=data_channels)
+        return "builtin"
+    if name.startswith("timm:"):
+        return "timm"
+    return "user" if is_import_path(name) else "torchvision"
+
+
+def input_channels(name: str, data_channels: int) -> int:
+    """Channels the model takes: torchvision models want 3, the others adapt to the data."""
+    return 3 if kind(name) == "torchvision" else data_channels
+
+
+def build_model(mc, num_classes: int | None, data_channels: int | None) -> nn.Module:
+    """The model that model config `mc` (or a bare name) names, freshly initialised; weights
+    come later (weights.py)."""
+    if isinstance(mc, str):
+        mc = SimpleNamespace(name=mc, kwargs={})
+    k = kind(mc.name)
+    if k == "builtin":
+        return BUILTIN[mc.name](num_classes, in_channels=data_channels or 3, **mc.kwargs)
+    if k == "user":
+        fn = load_callable(mc.name, "model.name")
+        model = call(fn, "model.name", kwargs=mc.kwargs,
+                     optional={"num_classes": num_classes, "in_channels": data_channels})
+        if not isinstance(model, nn.Module):
+            raise UserError(f"model.name: {mc.name} returned {type(model).__name__}, not a "
+                            f"torch.nn.Module")
+        return model
+    if k == "timm":
+        try:
+            import timm
+        except ImportError:
+            raise UserError(f"model.name {mc.name} needs timm, which is not installed: "
+                            f"pip install 'ddpflow[timm]'") from None
+        return call(timm.create_model, "model.name", args=(mc.name[5:],),
+                    kwargs={"pretrained": False, "num_classes": num_classes,
+                            "in_chans": data_channels or 3, **mc.kwargs})
     import torchvision  # imported only here: a CPU-only image may lack a matching torchvision
 
     available = torchvision.models.list_models(module=torchvision.models)
-    if name not in available:
-        close = [m for m in available if m.startswith(name[:4])][:8]
-        raise UserError(f"model.name '{name}' is not one of {sorted(BUILTIN)} nor a torchvision "
-                        f"classification model" + (f"; close: {', '.join(close)}" if close else ""))
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if mc.name not in available:
+        close = [m for m in available if m.startswith(mc.name[:4])][:8]
+        raise UserError(f"model.name '{mc.name}' is not one of {sorted(BUILTIN)}, a torchvision "
+                        f"classification model, timm:NAME nor package.module:callable"
+                        + (f"; close: {', '.join(close)}" if close else ""))
+    return call(torchvision.models.get_model, "model.name", args=(mc.name,),
+                kwargs={"weights": None, "num_classes": num_classes, **mc.kwargs})
+
+
+def forward(model: nn.Module, inputs):
+    """model(x); a tuple of inputs is spread as positional arguments, a dict as keywords."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
 
 
 def param_count(model: nn.Module) -> int:

@@ -40,7 +40,7 @@ def _two_panels(series, path: Path, title: str, xlabel: str, by_time: bool,
     fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for ax, (key, label), kind, k, marker in zip(axes, (top, bottom), kinds, scale, markers):
         for name, s0, t0, train, val in series:
-            recs = train if kind == "train" else val
+            recs = [r for r in (train if kind == "train" else val) if r.get(key) is not None]
             xs = [(t0 + r["time_s"]) if by_time else (s0 + r["step"]) for r in recs]
             ax.plot(xs, [k * r[key] for r in recs], marker=marker, label=name)
         ax.set_ylabel(label)
@@ -55,11 +55,12 @@ def _two_panels(series, path: Path, title: str, xlabel: str, by_time: bool,
     return path
 
 
-def loss_accuracy(stages, path: Path) -> Path:
-    return _two_panels(_stage_series(stages), path, "Loss and accuracy",
+def loss_accuracy(stages, path: Path, metric: str = "val_acc") -> Path:
+    """Training loss and the monitored validation metric (val_acc for classification)."""
+    label = "validation accuracy" if metric == "val_acc" else metric.replace("_", " ")
+    return _two_panels(_stage_series(stages), path, f"Loss and {label}",
                        "optimizer step (all stages)", False, ("loss", "training loss"),
-                       ("val_acc", "validation accuracy"), kinds=("train", "val"),
-                       markers=(None, "o"))
+                       (metric, label), kinds=("train", "val"), markers=(None, "o"))
 
 
 def throughput(stages, path: Path) -> Path:

@@ -14,31 +14,42 @@ from pathlib import Path
 from .checkpoint import sha256_of
 from .config import Config, code_fingerprint
 from .data import prepared
+from .errors import UserError
 from .summary import read_summary
+from .userimport import dir_fingerprint
+from .weights import pretrained_file
 
 # record key -> what a mismatch means, in the words the user reads
 REASONS = {"stage_hash": "made with another config", "code": "made by other ddpflow code",
+           "user_code": "made by other code of yours (model.code_dir)",
            "data": "made from other prepared data", "init_sha256": "started from other weights"}
 
 
 def init_source(cfg: Config, stage: str) -> Path | None:
-    """The weights a stage starts from: the previous stage's final.pt, a file, or None."""
+    """The weights a stage starts from: the previous stage's final.pt, a file, model.weights
+    (stages without init_from), or None."""
     st = cfg.stage(stage)
     if st.init_from == "previous":
         return cfg.stage_dir(cfg.stages[cfg.stage_index(stage) - 1].name) / "final.pt"
-    return Path(st.init_from) if st.init_from else None
+    if st.init_from:
+        return Path(st.init_from)
+    return pretrained_file(cfg)
 
 
 def make_record(cfg: Config, stage: str, data_fingerprint: str | None,
                 init_sha256: str | None) -> dict:
     return {"stage_hash": cfg.stage_hash(stage), "code": code_fingerprint(),
+            "user_code": dir_fingerprint(cfg.model.code_dir),
             "data": data_fingerprint, "init_sha256": init_sha256}
 
 
 def expected_record(cfg: Config, stage: str) -> dict:
     """The record a run of `stage` would write now."""
     meta = prepared.read_meta(cfg.data_dir)
-    src = init_source(cfg, stage)
+    try:
+        src = init_source(cfg, stage)
+    except UserError:  # pretrained weights missing from the hub cache
+        src = None
     sha = sha256_of(src) if src is not None and src.is_file() else None
     return make_record(cfg, stage, meta.get("fingerprint") if meta else None, sha)
 

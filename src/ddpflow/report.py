@@ -46,13 +46,14 @@ def _img(path: Path, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path]) -> str:
+def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
+           metric: str = "val_acc") -> str:
     rows = summary["stages"]
     state = ('<span class="ok">finished</span>' if summary["finished"]
              else '<span class="bad">NOT FINISHED</span>')
-    head = ["stage", "val acc", "best val acc", "steps", "wall time (s)", "samples/s",
+    head = ["stage", metric.replace("_", " "), f"best {metric.replace('_', ' ')}", "steps", "wall time (s)", "samples/s",
             "per rank", "data wait", "ranks", "precision", "global batch"]
-    keys = ["stage", "final_val_acc", "best_val_acc", "steps", "wall_time_s",
+    keys = ["stage", f"final_{metric}", "best_value", "steps", "wall_time_s",
             "mean_samples_per_s", "samples_per_s_per_rank", "data_wait_fraction", "world_size",
             "precision", "global_batch"]
     trs = []
@@ -70,7 +71,7 @@ def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path])
         items = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>"
                         for k, v in r.items())
         details.append(f"<h3>{html.escape(r['stage'])}</h3><table>{items}</table>")
-    captions = {"loss_accuracy": "Training loss and validation accuracy across all stages",
+    captions = {"loss_accuracy": f"Training loss and {metric} across all stages",
                 "throughput": "Throughput (all ranks) and the share of step time spent "
                               "waiting for data",
                 "rank_step_time": "Step time of each rank"}

@@ -19,3 +19,12 @@ def read_summary(path: Path) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     return s if s.get("finished") else None
+
+
+def result_text(s: dict) -> str:
+    """'val_acc 0.9120 (best 0.9150)': the monitored metric, final and best."""
+    name = s.get("monitor") or "val_acc"
+    final = (s.get("final_metrics") or {}).get(name, s.get("final_val_acc"))
+    best = s.get("best_value", s.get("best_val_acc"))
+    fmt = (lambda v: "n/a" if v is None else f"{v:.4f}")  # noqa: E731 - a one-line formatter
+    return f"{name} {fmt(final)} (best {fmt(best)})"

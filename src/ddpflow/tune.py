@@ -191,7 +191,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
 
     precision = pick_precision("auto" if st.precision == "auto" else st.precision, d.device)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-    base = build_model(cfg.model.name, meta["num_classes"], in_ch).to(d.device)
+    base = build_model(cfg.model, meta["num_classes"], in_ch).to(d.device)
     budget = int(_budget(d, cap_mb) * (1 - tc.memory_margin))
     # DDP keeps a second copy of the gradients in its buckets
     ddp_extra = sum(p.numel() * p.element_size() for p in base.parameters()) if d.backend else 0
@@ -232,7 +232,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
                         | {agreed})
 
     def measure(batch, loader, workers, prefetch, prec, channels_last, compile_):
-        model = build_model(cfg.model.name, meta["num_classes"], in_ch).to(d.device)
+        model = build_model(cfg.model, meta["num_classes"], in_ch).to(d.device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
         model = distributed.wrap_ddp(model, d)  # as the trainer wraps it

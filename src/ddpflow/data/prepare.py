@@ -19,15 +19,24 @@ from tqdm import tqdm
 from .. import locks
 from ..config import Config
 from ..errors import UserError, short
-from . import archives, imagefolder, prepared, synthetic
+from ..userimport import dir_fingerprint
+from . import archives, factory, imagefolder, prepared, synthetic
 
 PREPARE_KEYS = ("source", "path", "image_size", "num_classes", "train_size", "val_size",
                 "grayscale", "val_fraction", "max_bad_fraction", "verify_checksum")
 
 
+PYTHON_KEYS = ("factory", "kwargs", "materialize")
+
+
 def settings(cfg: Config) -> dict[str, Any]:
-    """The config settings the prepared arrays depend on (the seed draws splits and caps)."""
-    return {**{f"data.{k}": getattr(cfg.data, k) for k in PREPARE_KEYS}, "seed": cfg.seed}
+    """The config settings the prepared arrays depend on (the seed draws splits and caps);
+    for a user dataset also its factory, arguments and the code folder's fingerprint."""
+    out = {**{f"data.{k}": getattr(cfg.data, k) for k in PREPARE_KEYS}, "seed": cfg.seed}
+    if cfg.data.source == "python":
+        out.update({f"data.{k}": getattr(cfg.data, k) for k in PYTHON_KEYS})
+        out["data.code_dir (fingerprint)"] = dir_fingerprint(cfg.data_code_dir)
+    return out
 
 
 def settings_fingerprint(cfg: Config) -> str:
@@ -80,8 +89,33 @@ def _cap_items(items: list, n: int | None, seed: int) -> list:
     return [items[i] for i in keep]
 
 
-def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> None:
+def _python_source(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
+    """A user dataset: checked (imports, items), described in meta.json, and with
+    data.materialize copied into the arrays. Returns True when there are arrays."""
+    sets = {split: factory.dataset(cfg, split) for split in prepared.SPLITS}
+    first = {split: factory.check_item(ds, split) for split, ds in sets.items()}
+    info = factory.describe(sets["train"], first["train"])
+    if cfg.data.materialize:
+        labels = []
+        for split, ds in sets.items():
+            x, y = factory.materialize(ds, split)
+            prepared.save_split(folder, split, x, y)
+            labels.append(y)
+        n = info["num_classes"] or int(max(y.max() for y in labels)) + 1
+        meta["classes"] = getattr(sets["train"], "classes", None) or [str(i) for i in range(n)]
+        return True
+    meta.update(kind="python", counts={s: {"total": len(ds)} for s, ds in sets.items()},
+                num_classes=info["num_classes"], input_shape=info["input_shape"],
+                in_channels=info["in_channels"], bytes={}, sha256={},
+                format_version=prepared.FORMAT_VERSION)
+    return False
+
+
+def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
+    """Write the source's arrays into folder; False for a user dataset read as it is."""
     d = cfg.data
+    if d.source == "python":
+        return _python_source(cfg, folder, meta)
     if d.source == "synthetic":
         ch = 1 if d.grayscale else 3
         # null sizes: 4096 / 1024 generated samples
@@ -89,7 +123,7 @@ def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> None:
             x, y = synthetic.generate(n, d.num_classes, d.image_size, ch, cfg.seed, split)
             prepared.save_split(folder, split, x, y)
         meta["classes"] = [f"class{i}" for i in range(d.num_classes)]
-        return
+        return True
     path = Path(d.path)
     if not path.exists():
         raise UserError(f"data.path {path} does not exist (source {d.source}); "
@@ -103,7 +137,7 @@ def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> None:
             prepared.save_split(folder, split, archives.resize_all(x, d.image_size), y)
         meta["classes"] = classes
         meta["checksums"] = report
-        return
+        return True
     # imagefolder
     has_split = (path / "train").is_dir() and (path / "val").is_dir()
     if has_split:
@@ -143,6 +177,7 @@ def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> None:
     meta["classes"] = classes
     meta["skipped"] = [{"file": f, "reason": why} for f, why in skipped]
     meta["prepare_workers"] = nworkers
+    return True
 
 
 def prepare(cfg: Config, force: bool = False, out: Path | None = None,
@@ -188,7 +223,9 @@ def _build(cfg: Config, folder: Path, fp: str) -> dict[str, Any]:
                             "fingerprint": fp, "settings": settings(cfg),
                             "settings_fingerprint": settings_fingerprint(cfg),
                             "image_size": cfg.data.image_size}
-    _build_arrays(cfg, folder, meta)
+    if not _build_arrays(cfg, folder, meta):  # a user dataset, read as it is when training
+        prepared.write_json_atomic(folder / "meta.json", meta)
+        return meta
     meta["num_classes"] = len(meta["classes"])
     seconds = time.perf_counter() - t0
     meta = prepared.finish(folder, meta)
@@ -203,6 +240,12 @@ def _build(cfg: Config, folder: Path, fp: str) -> dict[str, Any]:
 def describe(meta: dict[str, Any], folder: Path, did_work: bool) -> str:
     lines = [f"prepared {meta['source']} -> {folder}" if did_work else
              f"prepared data at {folder} is up to date (nothing to do)"]
+    if meta.get("kind") == "python":
+        c = meta["counts"]
+        return "\n".join(lines + [
+            f"  data.factory {meta['settings'].get('data.factory')}: train {c['train']['total']}"
+            f", val {c['val']['total']} items, input shape {meta['input_shape']}, "
+            f"num_classes {meta['num_classes']} (read through DataLoader when training)"])
     for split in prepared.SPLITS:
         c = meta["counts"][split]
         per = ", ".join(f"{name}={n}" for name, n in zip(meta["classes"], c["per_class"]))

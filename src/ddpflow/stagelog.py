@@ -1,0 +1,79 @@
+"""What a training stage writes besides checkpoints: the `train` lines of metrics.jsonl
+(one per log interval) and summary.json (last, only for a finished stage). Both read the
+`Trainer` (train.py) they describe."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .metrics import efficiency_means, read_records
+from .models import param_count, unwrap
+from .runtime import environment, peak_memory_mib
+from .summary import write_summary
+
+
+def interval_record(t, per_rank: list, dt: float, wait: float, n: int, loss: float,
+                    now: float) -> dict:
+    """One log interval of n optimizer steps over dt seconds (wait: blocked on data)."""
+    s, d = t.state, t.d
+    per_sample = t.batch_size * t.accum * n
+    # all ranks do the same work: rank 0's FLOPs x world = the job's FLOPs
+    flops_s = t.flops_per_micro * t.accum * n * d.world / dt
+    util, gpu_mem = t.gpu.interval()
+    return {
+        "kind": "train", "step": s.step, "epoch": s.epoch, "loss": loss,
+        "lr": t.sched.get_last_lr()[0],
+        "samples_per_s": per_sample * d.world / dt,
+        "samples_per_s_per_rank": [per_sample / (r[0] * n) for r in per_rank],
+        "compute_samples_per_s": per_sample * d.world / max(dt - wait, 1e-9),
+        "tflops": flops_s / 1e12,
+        "mfu": flops_s / (t.peak * d.world) if t.peak else None,
+        "gpu_util": util, "gpu_mem_mib": gpu_mem,
+        "step_time_s": dt / n, "step_time_s_per_rank": [r[0] for r in per_rank],
+        "data_wait_fraction": wait / dt, "peak_mem_mib": peak_memory_mib(d.device),
+        "grad_scale": t.scaler.get_scale() if t.scaler.is_enabled() else None,
+        "skipped_steps": int(t.skipped.item()),
+        "warmup": t.first_interval, "time_s": s.elapsed_s + now - t.t_start}
+
+
+def stage_summary(t) -> None:
+    """summary.json of a finished stage: results, efficiency means, what it ran on, and the
+    record of what it was made from."""
+    s, d, cfg = t.state, t.d, t.cfg
+    records, problems = read_records(t.out / "metrics.jsonl")
+    last_val = [r for r in records if r["kind"] == "val"][-1]
+    final = {k: v for k, v in last_val.items() if k.startswith("val_")}
+    best = s.best.get("metrics", {})
+    write_summary(t.out / "summary.json", {
+        "stage": t.st.name, "finished": True, "steps": s.step, "epochs": s.epoch,
+        "task": cfg.task.name, "monitor": t.monitor, "monitor_mode": t.mode,
+        "final_metrics": final, "best_metrics": best, "best_value": s.best.get("value"),
+        "final_val_acc": final.get("val_acc"), "final_val_loss": final.get("val_loss"),
+        "best_val_acc": best.get("val_acc"), "best_val_loss": best.get("val_loss"),
+        "best_step": s.best.get("step"),
+        "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
+        "wall_time_s": s.elapsed_s + time.perf_counter() - t.t_start,
+        **efficiency_means(records),
+        "flops_per_sample": (t.flops_per_micro / t.batch_size if t.flops_per_micro else None),
+        "peak_flops_per_gpu": t.peak,
+        "world_size": d.world, "device": d.device.type, "backend": d.backend,
+        "precision": t.precision, "strategy": t.st.strategy,
+        "wrapper": type(t.model).__name__ if t.model is not unwrap(t.model) else None,
+        "batch_size_per_rank": t.batch_size, "grad_accum_steps": t.accum,
+        "channels_last": t.channels_last, "compile": t.compile, "tuned": t.tuned,
+        "global_batch": t.global_batch, "lr_effective": t.lr,
+        "skipped_steps": int(t.skipped.item()),
+        "loader": t.data.kind, "loader_reason": t.data.reason,
+        "init": t.init_report,
+        "container": os.environ.get("DDPFLOW_IN_CONTAINER"),
+        "params": param_count(unwrap(t.model)),
+        "trainable_params": sum(p.numel() for p in unwrap(t.model).parameters()
+                                if p.requires_grad),
+        "metrics_problems": problems,
+        "rank_weight_sha256": t.weight_hashes, "environment": environment(d.device),
+        "weights_in_sync": len(set(t.weight_hashes)) == 1,
+        "config": cfg.to_dict(), "config_hash": cfg.hash,
+        "stage_hash": cfg.stage_hash(t.st.name), "record": t.record,
+        "final_sha256": t.final_sha,
+    })
