@@ -51,8 +51,9 @@ def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
     rows = summary["stages"]
     state = ('<span class="ok">finished</span>' if summary["finished"]
              else '<span class="bad">NOT FINISHED</span>')
-    head = ["stage", metric.replace("_", " "), f"best {metric.replace('_', ' ')}", "steps", "wall time (s)", "samples/s",
-            "per rank", "data wait", "ranks", "precision", "global batch"]
+    label = metric.replace("_", " ")
+    head = ["stage", label, f"best {label}", "steps", "wall time (s)", "samples/s", "per rank",
+            "data wait", "ranks", "precision", "global batch"]
     keys = ["stage", f"final_{metric}", "best_value", "steps", "wall_time_s",
             "mean_samples_per_s", "samples_per_s_per_rank", "data_wait_fraction", "world_size",
             "precision", "global_batch"]

@@ -35,8 +35,15 @@ from .errors import UserError
 from .metrics import MetricsLog
 from .models import build_model, forward, input_channels, param_count, unwrap
 from .provenance import init_source, make_record
-from .runtime import (StopPoll, build_optimizer, lr_factor, pick_precision, schedule,
-                      trace_file, weights_sha256)
+from .runtime import (
+    StopPoll,
+    build_optimizer,
+    lr_factor,
+    pick_precision,
+    schedule,
+    trace_file,
+    weights_sha256,
+)
 from .stagelog import interval_record, stage_summary
 from .summary import write_summary
 from .tasks import build_task, check_loss, metric_pairs, monitor

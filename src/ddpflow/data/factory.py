@@ -50,7 +50,8 @@ def _leaves_ok(x: Any) -> str | None:
         return next((w for w in map(_leaves_ok, x) if w), None) if x else "an empty tuple"
     if isinstance(x, dict):
         return next((w for w in map(_leaves_ok, x.values()) if w), None) if x else "an empty dict"
-    hint = " (add a transform that makes a tensor, e.g. ToTensor)" if "Image" in type(x).__name__ else ""
+    image = "Image" in type(x).__name__
+    hint = " (add a transform that makes a tensor, e.g. ToTensor)" if image else ""
     return f"{type(x).__name__}{hint}"
 
 
