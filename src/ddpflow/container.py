@@ -135,6 +135,10 @@ def _mounts(cfg: Config) -> list[Path]:
     if cfg.data.path:
         p = Path(cfg.data.path).resolve()
         paths.append(p if p.is_dir() else p.parent)
+    # the user's code and pretrained weights (outside the working folder: their own mount)
+    paths += [Path(d).resolve() for d in (cfg.model.code_dir, cfg.data.code_dir) if d]
+    if cfg.model.weights and Path(cfg.model.weights).is_file():
+        paths.append(Path(cfg.model.weights).resolve().parent)
     keep: list[Path] = []
     for p in sorted(set(paths), key=lambda q: len(q.parts)):
         if not any(p == k or k in p.parents for k in keep):

@@ -26,13 +26,44 @@ def workflow_config():
 WCFG = workflow_config()
 
 
-def code_version(*parts):
-    """Hash of the package source (or some of its modules): the rerun trigger for code."""
+def files_version(files, root=None):
+    """Hash of files' names and bytes."""
     h = hashlib.sha256()
-    files = sorted(f for p in parts or ("",) for f in (PACKAGE / p).glob("**/*.py"))
-    for f in files + [PACKAGE / "schema" / "config.schema.yaml"]:
+    for f in files:
+        if root is not None:
+            h.update(str(f.relative_to(root)).encode() + b"\0")
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def code_version(*parts):
+    """Hash of the package source (or some of its modules): the rerun trigger for code."""
+    files = sorted(f for p in parts or ("",) for f in (PACKAGE / p).glob("**/*.py"))
+    return files_version(files + [PACKAGE / "schema" / "config.schema.yaml"])
+
+
+def user_code_version(folder):
+    """Hash of a user's code folder (model.code_dir, data.code_dir): editing a file there
+    reruns the rules that use it, and only those."""
+    if not folder or not Path(folder).is_dir():
+        return ""
+    root = Path(folder)
+    files = sorted(
+        f
+        for f in root.rglob("*.py")
+        if not any(
+            p.startswith(".") or p == "__pycache__" for p in f.relative_to(root).parts
+        )
+    )
+    return files_version(files, root)
+
+
+def data_user_code():
+    """The dataset factory's code folder (data.code_dir, else model.code_dir)."""
+    d = config["data"]
+    if d["source"] != "python":
+        return ""
+    return user_code_version(d["code_dir"] or config["model"]["code_dir"])
 
 
 def config_upto(stage):
@@ -56,6 +87,8 @@ def stage_inputs(wildcards):
         inputs["init"] = f"{RESULTS}/stages/{STAGES[i - 1]}/final.pt"
     elif init:
         inputs["init"] = init
+    elif config["model"]["weights"] and Path(config["model"]["weights"]).is_file():
+        inputs["init"] = config["model"]["weights"]  # pretrained weights (a file)
     return inputs
 
 

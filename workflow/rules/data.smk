@@ -14,5 +14,6 @@ rule prepare_data:
         seed=config["seed"],
         files=data_listing(),
         code=code_version("data"),
+        user_code=data_user_code(),
     shell:
         "ddpflow prepare --config {params.cfg:q} > {log:q} 2>&1"

@@ -21,5 +21,7 @@ rule train:
         cfg=WCFG,
         settings=lambda wildcards: config_upto(wildcards.stage),
         code=code_version(),
+        user_code=user_code_version(config["model"]["code_dir"]),
+        data_code=data_user_code(),
     shell:
         "ddpflow launch --config {params.cfg:q} --stage {wildcards.stage:q} > {log:q} 2>&1"
