@@ -258,6 +258,33 @@ def read_lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def test_weights_files_of_every_kind_read_the_same(tmp_path):
+    """.pt, .safetensors, a DDP-wrapped save ('module.' names) and a ddpflow final.pt give
+    the same state dict; shapes that differ are re-initialised, not loaded."""
+    from safetensors.torch import save_file
+
+    from ddpflow.weights import load_pretrained, read_state_dict
+
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    sd = src.state_dict()
+    torch.save(sd, tmp_path / "a.pt")
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "a.safetensors"))
+    torch.save({f"module.{k}": v for k, v in sd.items()}, tmp_path / "ddp.pth")
+    torch.save({"model": sd, "step": 3}, tmp_path / "final.pt")
+    for name in ("a.pt", "a.safetensors", "ddp.pth", "final.pt"):
+        got = read_state_dict(tmp_path / name, "model.weights")
+        assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd), name
+    dst = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 5))
+    fresh = dst[1].weight.detach().clone()
+    report = load_pretrained(dst, sd, "model.weights")
+    assert report == {"loaded": 2, "skipped": 2, "reinitialised": ["1.weight", "1.bias"]}
+    assert torch.equal(dst[0].weight, sd["0.weight"]) and torch.equal(dst[1].weight, fresh)
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(Exception, match="cannot be read as safetensors"):
+        read_state_dict(tmp_path / "bad.safetensors", "model.weights")
+
+
 def test_builtin_tasks_score_what_they_say():
     from types import SimpleNamespace
 
@@ -357,3 +384,73 @@ def test_a_loss_that_is_not_a_scalar_stops_the_rank_without_restarts(tmp_path):
     assert "Traceback" not in proc.stderr
     assert not stage_dir(tmp_path, "fit").joinpath("summary.json").exists()
 
+    # the built-in regression task on the same data: MSE/MAE, best by val_loss (min)
+    cfg["task"] = "regression"
+    write_config(tmp_path, cfg)
+    ddpflow("launch", "--config", p, "--stage", "fit", check=True)
+    s = read(stage_dir(tmp_path, "fit") / "summary.json")
+    assert set(s["final_metrics"]) == {"val_loss", "val_mse", "val_mae"}
+    assert s["final_metrics"]["val_loss"] == pytest.approx(s["final_metrics"]["val_mse"])
+    assert s["monitor"] == "val_loss" and s["monitor_mode"] == "min"
+    assert s["best_value"] == min(r["val_loss"] for r in read_lines(
+        stage_dir(tmp_path, "fit") / "metrics.jsonl") if r["kind"] == "val")
+
+
+
+IMAGES = '''
+import torch
+from torch.utils.data import Dataset
+
+
+class Squares(Dataset):
+    """8 x 8 RGB float images in [0, 1]: class k is brightness k / 3."""
+    classes = ["dark", "dim", "light", "bright"]
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        k = i % 4
+        return torch.full((3, 8, 8), k / 3), k
+
+
+def make(split):
+    return Squares(40 if split == "train" else 12)
+
+
+def ragged(split):
+    class Ragged(Squares):
+        def __getitem__(self, i):
+            return torch.zeros(3, 8, 8 + i % 2), 0
+    return Ragged(10)
+'''
+
+
+def test_materialize_copies_a_user_image_dataset_into_the_prepared_format(tmp_path, capsys):
+    import numpy as np
+
+    from ddpflow.cli import main
+
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code/imagesets.py").write_text(IMAGES)
+    cfg = tiny_config(tmp_path, data={"source": "python", "factory": "imagesets:make",
+                                      "code_dir": str(tmp_path / "code"), "materialize": True,
+                                      "image_size": 8})
+    assert main(["prepare", "--config", str(write_config(tmp_path, cfg))]) == 0
+    data = tmp_path / "results/t/data"
+    meta = read(data / "meta.json")
+    assert meta["classes"] == ["dark", "dim", "light", "bright"]
+    assert meta["counts"]["train"]["per_class"] == [10, 10, 10, 10]
+    x = np.load(data / "train_images.npy")
+    y = np.load(data / "train_labels.npy")
+    assert x.shape == (40, 8, 8, 3) and x.dtype == np.uint8
+    assert (x[y == 3] == 255).all() and (x[y == 0] == 0).all() and (x[y == 1] == 85).all()
+
+    cfg["data"]["factory"] = "imagesets:ragged"
+    capsys.readouterr()
+    assert main(["prepare", "--config", str(write_config(tmp_path, cfg))]) == 2
+    assert "images must be one size" in capsys.readouterr().err
+    assert read(data / "meta.json")["settings"]["data.factory"] == "imagesets:make"  # kept
