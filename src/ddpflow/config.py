@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-from .errors import UserError, short
+from .errors import UserError
+from .schema_messages import message
 from .yamlfile import read_yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "config.schema.yaml"
@@ -260,58 +260,6 @@ def _with_defaults(validator_class):
     return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
 
 
-def _where(path) -> str:
-    return ".".join(str(p) for p in path) or "(top level)"
-
-
-_FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-def _yaml_hint(err: jsonschema.ValidationError) -> str:
-    """What YAML did to the value, where that explains the error."""
-    value = err.instance
-    if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
-        return (f" (YAML 1.1 reads {short(value.strip(), 30)} as text: write it with a dot "
-                f"and a signed exponent, e.g. 1.0e-3)")
-    if isinstance(value, bool) and err.validator in ("type", "pattern", "enum"):
-        return (" (YAML reads yes/no/on/off/true/false as a boolean: quote it, e.g. "
-                "name: 'no')")
-    return ""
-
-
-def _message(err: jsonschema.ValidationError) -> str:
-    where = _where(err.absolute_path)
-    hint = _yaml_hint(err)
-    if err.validator == "additionalProperties":
-        allowed = sorted(err.schema.get("properties", {}))
-        extra = sorted(set(err.instance) - set(allowed))
-        names = [str(k)[:40] for k in extra[:5]] + (["..."] if len(extra) > 5 else [])
-        prefix = "" if where == "(top level)" else where + "."
-        shown = names[0] if len(names) == 1 else "{" + ", ".join(names) + "}"
-        return f"unknown key {prefix}{shown}; allowed keys here: {', '.join(allowed)}"
-    if err.validator == "enum":
-        allowed = ", ".join(map(repr, err.validator_value))
-        return f"{where}: {short(err.instance)} is not one of {allowed}{hint}"
-    if err.validator == "oneOf":
-        options = []
-        for sub in err.validator_value:
-            options.append(repr(sub["const"]) if "const" in sub else
-                           f"{sub.get('type')} >= {sub.get('minimum')}")
-        return f"{where}: {short(err.instance)} is not allowed; use {' or '.join(options)}{hint}"
-    if err.validator == "type":
-        want = err.validator_value
-        want = " or ".join(want) if isinstance(want, list) else want
-        return f"{where}: {short(err.instance)} is not of type '{want}'{hint}"
-    if err.validator == "pattern":
-        return (f"{where}: {short(err.instance)} is not a valid name: use letters, digits, "
-                f"'.', '_' and '-', starting with a letter or digit{hint}")
-    if err.validator == "maxLength":
-        return f"{where}: {short(err.instance)} is longer than {err.validator_value} characters"
-    if err.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-        return f"{where}: {short(err.instance)} {err.message.split(' ', 1)[1]}"
-    return f"{where}: {short(err.message, 200)}"
-
-
 def _wants_integer(schema: dict) -> bool:
     types = schema.get("type")
     types = types if isinstance(types, list) else [types]
@@ -343,7 +291,7 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
     cls = _with_defaults(jsonschema.validators.validator_for(schema))
     errors = sorted(cls(schema).iter_errors(d), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
-        lines = [_message(e) for e in errors]
+        lines = [message(e) for e in errors]
         raise UserError("invalid config: " + "; ".join(dict.fromkeys(lines)))
     names = [s["name"] for s in d["stages"]]
     dupes = sorted({n for n in names if names.count(n) > 1})

@@ -144,3 +144,14 @@ def wrap_ddp(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
         gradient_as_bucket_view=True)
+
+
+def wrap(model: torch.nn.Module, d: Dist, strategy: str, sync_bn: bool) -> torch.nn.Module:
+    """The training wrapper: DDP (when more than one rank trains), optionally with
+    SyncBatchNorm; strategy dp = single-process DataParallel, a baseline only (without
+    GPUs it calls the module as it is)."""
+    if d.backend and sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if strategy == "dp":
+        return torch.nn.DataParallel(model)
+    return wrap_ddp(model, d)

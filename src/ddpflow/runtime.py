@@ -33,6 +33,14 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
+def mixed_precision(precision: str, device: torch.device):
+    """(GradScaler, autocast context) for a precision: a scaler only for fp16, autocast off
+    for fp32."""
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    return scaler, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+
 def lr_factor(rule: str, global_batch: int, reference: int) -> float:
     """`lr` is stated for `reference` samples per optimizer step; this rescales it."""
     ratio = global_batch / reference

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+from . import checkpoint
 from .metrics import efficiency_means, read_records
 from .models import param_count, unwrap
 from .runtime import environment, peak_memory_mib
@@ -77,3 +78,24 @@ def stage_summary(t) -> None:
         "stage_hash": cfg.stage_hash(t.st.name), "record": t.record,
         "final_sha256": t.final_sha,
     })
+
+
+def write_failure(t) -> None:
+    """failed.json: why the stage stopped (a NaN/inf loss) and what it was made from."""
+    write_summary(t.out / "failed.json", {"stage": t.st.name, "reason": t.diverged,
+                                          "step": t.state.step, "record": t.record})
+
+
+def write_final(t) -> str:
+    """final.pt (the weights, config and record); returns its SHA-256."""
+    return checkpoint.save_file(t.out / "final.pt", {
+        "model": unwrap(t.model).state_dict(), "config": t.cfg.to_dict(),
+        "step": t.state.step, "record": t.record})
+
+
+def write_best(t) -> None:
+    """best.pt: the weights of the best validation result so far by task.monitor."""
+    checkpoint.save_file(t.out / "best.pt", {
+        "model": unwrap(t.model).state_dict(), "config": t.cfg.to_dict(),
+        "step": t.state.step, "monitor": t.monitor, "value": t.state.best["value"],
+        "record": t.record})

@@ -95,6 +95,15 @@ def monitor(cfg, task) -> tuple[str, str]:
     return name, mode
 
 
+def improves(metrics: dict, name: str, mode: str, best, task_name: str) -> bool:
+    """Whether metrics[name] beats the best so far (None: nothing yet) in this mode."""
+    if name not in metrics:
+        raise UserError(f"task.monitor {name} is not a validation metric of task {task_name}; "
+                        f"it reports {', '.join(metrics)}")
+    value = metrics[name]
+    return best is None or (value > best if mode == "max" else value < best)
+
+
 def check_loss(loss, task_name: str) -> None:
     """The first step's loss must be a scalar tensor (else backward() fails obscurely)."""
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
@@ -118,3 +127,32 @@ def metric_pairs(values, task_name: str) -> dict[str, tuple]:
             raise UserError(f"task.name {task_name}: metrics(outputs, batch) item {short(key)} "
                             f"must be a name -> (sum, count) pair")
     return values
+
+
+class MetricSums:
+    """A task's validation metrics: (sum, count) per name, added up on the device, summed
+    across ranks once by `reduce`, reported as {"val_<name>": sum / count}."""
+
+    def __init__(self, task, task_name: str, device):
+        self.task, self.task_name, self.device = task, task_name, device
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, outputs, batch) -> None:
+        values = dict(metric_pairs(self.task.metrics(outputs, batch), self.task_name))
+        if "loss" not in values:  # the training loss, weighted by the batch size
+            n = next(iter(values.values()))[1] if values else len(batch[1])
+            values["loss"] = (self.task.loss(outputs, batch).float() * n, n)
+        for name, (total, count) in values.items():
+            pair = torch.stack([torch.as_tensor(total, device=self.device).double(),
+                                torch.as_tensor(count, device=self.device).double()])
+            self.sums[name] = self.sums[name] + pair if name in self.sums else pair
+
+    def reduce(self, d) -> dict[str, float]:
+        from . import distributed
+
+        # ranks agree on the names first: a rank without validation batches has none
+        names = sorted(set().union(*distributed.gather_objects(d, sorted(self.sums))))
+        zero = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = distributed.all_sum(d, torch.stack([self.sums.get(k, zero) for k in names]))
+        return {f"val_{k}": (t / c if c else float("nan"))
+                for k, (t, c) in zip(names, totals.tolist())}

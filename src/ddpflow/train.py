@@ -1,12 +1,7 @@
 """Train one stage with DistributedDataParallel + automatic mixed precision.
 
-Every rank of the node runs this, started by torchrun (`ddpflow launch` builds the line):
-
-    torchrun --nnodes=1 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29500 \
-        --max-restarts=2 -m ddpflow train --resolved results/<run>/stages/<stage>/config.json \
-        --stage <stage>
-
-On CPU the same line with --nproc_per_node=2 trains 2 gloo ranks. Rank 0 alone writes
+Every rank of the node runs this, started by the torchrun line `ddpflow launch` builds
+(`ddpflow launch --dry-run` prints it); on CPU, gloo ranks. Rank 0 alone writes
 files and shows the progress bar. `Trainer.run` reads top to bottom: setup (data, model,
 optimizer, resume), then epochs of `train_step`s with `log_interval`s, `validate` and
 `checkpoint` at each epoch end, then `finish`. The three things a user replaces come in
@@ -26,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import checkpoint, distributed, stopflag
+from . import checkpoint, distributed, runtime, stopflag
 from .config import Config, config_hash
 from .data import prepared
 from .data.pipeline import open_pipeline
@@ -35,19 +30,10 @@ from .errors import UserError
 from .metrics import MetricsLog
 from .models import build_model, forward, input_channels, param_count, unwrap
 from .provenance import init_source, make_record
-from .runtime import (
-    StopPoll,
-    build_optimizer,
-    lr_factor,
-    pick_precision,
-    schedule,
-    trace_file,
-    weights_sha256,
-)
-from .stagelog import interval_record, stage_summary
-from .summary import write_summary
-from .tasks import build_task, check_loss, metric_pairs, monitor
-from .tune import load_choice, tune_path
+from .runtime import StopPoll, build_optimizer, lr_factor, mixed_precision, schedule, trace_file
+from .stagelog import interval_record, stage_summary, write_best, write_failure, write_final
+from .tasks import MetricSums, build_task, check_loss, improves, monitor
+from .tune import stage_settings
 from .userimport import add_code_dirs
 from .weights import start_weights
 
@@ -91,7 +77,11 @@ class Trainer:
         distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
         add_code_dirs(cfg.model.code_dir, cfg.data_code_dir)
         stopflag.install()  # (again: `ddpflow train` installs it before its imports)
-        self.choose_settings()
+        # batch size, precision and layout: the config's, or tune.json's for "auto"
+        self.settings = stage_settings(cfg, st, d.device, self.say)
+        self.batch_size, self.tuned = self.settings.batch_size, self.settings.tuned
+        self.precision, self.compile = self.settings.precision, self.settings.compile
+        self.channels_last = self.settings.channels_last
         self.meta = prepared.read_meta(cfg.data_dir) or prepared.load(cfg.data_dir)[0]
         self.data = open_pipeline(cfg, d, self.meta, self.batch_size, self.tuned,
                                   lambda c: input_channels(cfg.model.name, c),
@@ -109,30 +99,6 @@ class Trainer:
         self.build_optimizer()
         self.resume()
 
-    def choose_settings(self) -> None:
-        """Batch size, precision and layout: the config's, or tune.json's for "auto"."""
-        cfg, st, d = self.cfg, self.st, self.d
-        self.tuned, mismatch = load_choice(cfg, st)
-        self.batch_size = st.batch_size
-        if st.batch_size == "auto":
-            if self.tuned is None:
-                raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size is auto but "
-                                + (mismatch or f"there is no {tune_path(cfg)}; run `ddpflow "
-                                   f"tune` first"))
-            self.batch_size = self.tuned["batch_size"]
-        self.channels_last, self.compile = st.channels_last, st.compile
-        if st.precision == "auto" and self.tuned:
-            self.precision = self.tuned["precision"]
-            self.channels_last = self.tuned["channels_last"]
-            self.compile = self.compile or self.tuned["compile"]
-        else:
-            self.precision = pick_precision(st.precision, d.device)
-        if d.device.type == "cuda" and self.precision == "fp32":
-            torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32
-            torch.backends.cudnn.allow_tf32 = True
-        if mismatch:
-            self.say(f"not using tune.json: {mismatch}")
-
     def build_model(self) -> None:
         cfg, st, d = self.cfg, self.st, self.d
         in_ch = self.data.in_channels and input_channels(cfg.model.name, self.data.in_channels)
@@ -144,13 +110,8 @@ class Trainer:
         model.to(d.device)
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
-        if d.backend and cfg.model.sync_bn:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        if st.strategy == "dp":  # baseline only: one process driving every visible GPU
-            model = nn.DataParallel(model)  # without GPUs it calls the module as it is
-        else:
-            model = distributed.wrap_ddp(model, d)  # DDP when more than one rank trains
-        self.model = model
+        # DDP across ranks (DataParallel for strategy dp, a baseline only)
+        self.model = model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn)
         self.train_model = torch.compile(model) if self.compile else model
 
     def build_optimizer(self) -> None:
@@ -160,10 +121,7 @@ class Trainer:
         warmup = round(st.warmup_epochs * self.steps_per_epoch)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, schedule(st.schedule, warmup, self.total_steps))
-        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
-        self.scaler = torch.amp.GradScaler(d.device.type, enabled=self.precision == "fp16")
-        self.autocast = torch.autocast(d.device.type, dtype=amp_dtype,
-                                       enabled=amp_dtype is not None)
+        self.scaler, self.autocast = mixed_precision(self.precision, d.device)
 
     def resume(self) -> None:
         """Continue from the newest valid checkpoint of these very inputs (its record)."""
@@ -358,24 +316,11 @@ class Trainer:
         d, s = self.d, self.state
         net = unwrap(self.train_model).eval()  # plain module: ranks see different counts
         distributed.broadcast_buffers(d, net)  # every rank validates with rank 0's BN stats
-        sums: dict[str, torch.Tensor] = {}
+        sums = MetricSums(self.task, self.cfg.task.name, d.device)
         with torch.no_grad(), self.autocast:
             for batch in self.data.val():
-                outputs = forward(net, batch[0])
-                values = dict(metric_pairs(self.task.metrics(outputs, batch),
-                                           self.cfg.task.name))
-                if "loss" not in values:  # the training loss, weighted by the batch size
-                    n = next(iter(values.values()))[1] if values else len(batch[1])
-                    values["loss"] = (self.task.loss(outputs, batch).float() * n, n)
-                for name, (total, count) in values.items():
-                    pair = torch.stack([torch.as_tensor(total, device=d.device).double(),
-                                        torch.as_tensor(count, device=d.device).double()])
-                    sums[name] = sums[name] + pair if name in sums else pair
-        names = sorted(set().union(*distributed.gather_objects(d, sorted(sums))))
-        zero = torch.zeros(2, dtype=torch.float64, device=d.device)
-        totals = distributed.all_sum(d, torch.stack([sums.get(k, zero) for k in names]))
-        metrics = {f"val_{k}": (t / c if c else float("nan"))
-                   for k, (t, c) in zip(names, totals.tolist())}
+                sums.add(forward(net, batch[0]), batch)
+        metrics = sums.reduce(d)  # one gather of names, one all-reduce: a sync point
         self.update_best(metrics)
         if d.is_master:
             self.log.write({"kind": "val", "step": s.step, "epoch": s.epoch, **metrics,
@@ -385,19 +330,12 @@ class Trainer:
 
     def update_best(self, metrics: dict) -> None:
         s = self.state
-        if self.monitor not in metrics:
-            raise UserError(f"task.monitor {self.monitor} is not a validation metric of task "
-                            f"{self.cfg.task.name}; it reports {', '.join(metrics)}")
-        value, best = metrics[self.monitor], s.best.get("value")
-        better = (best is None or (value > best if self.mode == "max" else value < best))
-        if better:
-            s.best = {"monitor": self.monitor, "mode": self.mode, "value": value,
-                      "step": s.step, "epoch": s.epoch, "metrics": metrics}
+        if improves(metrics, self.monitor, self.mode, s.best.get("value"), self.cfg.task.name):
+            s.best = {"monitor": self.monitor, "mode": self.mode,
+                      "value": metrics[self.monitor], "step": s.step, "epoch": s.epoch,
+                      "metrics": metrics}
             if self.d.is_master:
-                checkpoint.save_file(self.out / "best.pt", {
-                    "model": unwrap(self.model).state_dict(), "config": self.cfg.to_dict(),
-                    "step": s.step, "monitor": self.monitor, "value": value,
-                    "record": self.record})
+                write_best(self)
         self.last_metrics = metrics
 
     # ------------------------------------------------------------------ checkpoint, finish
@@ -429,22 +367,18 @@ class Trainer:
     def finish(self) -> None:
         """failed.json, or final.pt and summary.json (only for a finished stage)."""
         # every rank's weights, hashed and gathered: DDP must have kept them identical
-        self.weight_hashes = distributed.gather_objects(self.d, weights_sha256(
+        self.weight_hashes = distributed.gather_objects(self.d, runtime.weights_sha256(
             unwrap(self.model)))
         if not self.d.is_master:
             return
         self.log.close()
-        out, s = self.out, self.state
         if self.diverged:
-            write_summary(out / "failed.json", {"stage": self.st.name, "reason": self.diverged,
-                                                "step": s.step, "record": self.record})
+            write_failure(self)
             self.say(f"stopped: {self.diverged}")
         elif not self.halted:
-            self.final_sha = checkpoint.save_file(out / "final.pt", {
-                "model": unwrap(self.model).state_dict(), "config": self.cfg.to_dict(),
-                "step": s.step, "record": self.record})
+            self.final_sha = write_final(self)
             stage_summary(self)
-            self.say(f"done: {out / 'summary.json'}")
+            self.say(f"done: {self.out / 'summary.json'}")
 
 
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:

@@ -74,6 +74,39 @@ def load_choice(cfg: Config, st: StageCfg) -> tuple[dict | None, str | None]:
     return choice, None
 
 
+@dataclasses.dataclass
+class StageSettings:
+    batch_size: int  # per rank
+    precision: str  # bf16 | fp16 | fp32
+    channels_last: bool
+    compile: bool
+    tuned: dict | None  # tune.json's choice when it was used
+
+
+def stage_settings(cfg: Config, st: StageCfg, device, say) -> StageSettings:
+    """The stage's batch size, precision and layout: its own, or tune.json's for "auto"."""
+    tuned, mismatch = load_choice(cfg, st)
+    batch = st.batch_size
+    if batch == "auto":
+        if tuned is None:
+            raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size is auto but "
+                            + (mismatch or f"there is no {tune_path(cfg)}; run `ddpflow tune` "
+                               f"first"))
+        batch = tuned["batch_size"]
+    out = StageSettings(batch, st.precision, st.channels_last, st.compile, tuned)
+    if st.precision == "auto" and tuned:
+        out.precision, out.channels_last = tuned["precision"], tuned["channels_last"]
+        out.compile = out.compile or tuned["compile"]
+    else:
+        out.precision = pick_precision(st.precision, device)
+    if device.type == "cuda" and out.precision == "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32
+        torch.backends.cudnn.allow_tf32 = True
+    if mismatch:
+        say(f"not using tune.json: {mismatch}")
+    return out
+
+
 def find_max_batch(fits, start: int, limit: int) -> tuple[int, list[tuple[int, bool]]]:
     """Largest b in [1, limit] with fits(b), assuming fits is monotone. Doubling from start,
     then bisection between the last fit and the first miss. Returns (b, trials)."""
