@@ -63,7 +63,11 @@ def read_state_dict(path: Path, setting: str) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise UserError(f"{setting}: {path} does not exist")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        try:
+            from safetensors.torch import load_file
+        except ImportError:  # a slim image or environment without it
+            raise UserError(f"{setting}: {path} is a .safetensors file and the safetensors "
+                            f"package is not installed here: pip install safetensors") from None
 
         try:
             sd = load_file(str(path))
