@@ -454,3 +454,19 @@ def test_materialize_copies_a_user_image_dataset_into_the_prepared_format(tmp_pa
     assert main(["prepare", "--config", str(write_config(tmp_path, cfg))]) == 2
     assert "images must be one size" in capsys.readouterr().err
     assert read(data / "meta.json")["settings"]["data.factory"] == "imagesets:make"  # kept
+
+
+def test_seam_settings_are_checked_by_the_schema():
+    from ddpflow.config import from_dict
+    from ddpflow.errors import UserError
+
+    cases = [({"task": {"monitor": "acc"}}, "task.monitor: 'acc' is not a validation metric"),
+             ({"data": {"source": "python", "factory": "mydata"}},
+              "data.factory: 'mydata' is not an import path"),
+             ({"data": {"source": "python"}}, "data.source python needs data.factory"),
+             ({"data": {"factory": "a:b"}}, "data.factory is set but data.source is"),
+             ({"model": {"freeze": "backbone"}}, "model.freeze: 'backbone' is not of type")]
+    for extra, expected in cases:
+        with pytest.raises(UserError, match=None) as err:
+            from_dict({"stages": [{"name": "s"}], **extra})
+        assert expected in str(err.value), (extra, str(err.value))

@@ -52,6 +52,12 @@ def message(err: jsonschema.ValidationError) -> str:
         want = err.validator_value
         want = " or ".join(want) if isinstance(want, list) else want
         return f"{where}: {short(err.instance)} is not of type '{want}'{hint}"
+    if err.validator == "pattern" and err.validator_value.startswith("^val_"):
+        return (f"{where}: {short(err.instance)} is not a validation metric name: write "
+                f"val_<metric>, e.g. val_loss or val_acc{hint}")
+    if err.validator == "pattern" and ":" in err.validator_value:
+        return (f"{where}: {short(err.instance)} is not an import path: write "
+                f"package.module:callable{hint}")
     if err.validator == "pattern":
         return (f"{where}: {short(err.instance)} is not a valid name: use letters, digits, "
                 f"'.', '_' and '-', starting with a letter or digit{hint}")
