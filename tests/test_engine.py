@@ -470,3 +470,13 @@ def test_seam_settings_are_checked_by_the_schema():
         with pytest.raises(UserError, match=None) as err:
             from_dict({"stages": [{"name": "s"}], **extra})
         assert expected in str(err.value), (extra, str(err.value))
+
+
+def test_a_code_dir_that_is_not_a_folder_names_its_setting(tmp_path):
+    from ddpflow.config import from_dict
+    from ddpflow.errors import UserError
+    from ddpflow.userimport import add_code_dirs
+
+    cfg = from_dict({"stages": [{"name": "s"}], "data": {"code_dir": str(tmp_path / "nope")}})
+    with pytest.raises(UserError, match=r"^data.code_dir .*nope is not a folder"):
+        add_code_dirs(cfg)

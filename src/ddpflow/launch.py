@@ -117,7 +117,7 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
             raise UserError(f"stages.{i}.batch_size {st.batch_size} x {world} rank(s) x "
                             f"{st.grad_accum_steps} accumulation = {need} samples per step, "
                             f"but the training split has {have}; lower the batch size")
-    add_code_dirs(cfg.model.code_dir, cfg.data_code_dir)
+    add_code_dirs(cfg)
     model = _model_on_meta(cfg, meta)
     _check_seams(cfg, st, meta, model)
     if st.init_from == "previous":

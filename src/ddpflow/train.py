@@ -75,7 +75,7 @@ class Trainer:
         cfg, st = self.cfg, self.st
         self.d = d = distributed.setup(cfg.hardware, process_group=st.strategy == "ddp")
         distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
-        add_code_dirs(cfg.model.code_dir, cfg.data_code_dir)
+        add_code_dirs(cfg)
         stopflag.install()  # (again: `ddpflow train` installs it before its imports)
         # batch size, precision and layout: the config's, or tune.json's for "auto"
         self.settings = stage_settings(cfg, st, d.device, self.say)

@@ -25,15 +25,18 @@ def is_import_path(text: str | None) -> bool:
     return isinstance(text, str) and ":" in text and not text.startswith("timm:")
 
 
-def add_code_dirs(*folders: str | None) -> None:
-    """Put the user's code folders first on sys.path (every rank, prepare, preflight)."""
-    for folder in folders:
+def add_code_dirs(cfg) -> None:
+    """Put the user's code folders (model.code_dir, data.code_dir) first on sys.path: every
+    rank, prepare and the launcher's checks call this."""
+    for setting, folder in (("model.code_dir", cfg.model.code_dir),
+                            ("data.code_dir", cfg.data.code_dir)):
         if not folder:
             continue
         path = str(Path(folder).resolve())
         if not Path(path).is_dir():
-            raise UserError(f"code_dir {folder} is not a folder; point it at the folder that "
-                            f"holds your Python modules")
+            raise UserError(f"{setting} {folder} is not a folder; point it at the folder that "
+                            f"holds your Python modules (relative paths start where ddpflow "
+                            f"or snakemake runs)")
         if path not in sys.path:
             sys.path.insert(0, path)
 

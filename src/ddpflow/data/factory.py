@@ -26,7 +26,7 @@ from .loaders import EpochSampler
 
 def dataset(cfg, split: str):
     """factory(split, **data.kwargs), checked to be a non-empty map-style dataset."""
-    add_code_dirs(cfg.data_code_dir, cfg.model.code_dir)
+    add_code_dirs(cfg)
     fn = load_callable(cfg.data.factory, "data.factory")
     ds = call(fn, "data.factory", args=(split,), kwargs=cfg.data.kwargs)
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
