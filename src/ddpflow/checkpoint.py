@@ -14,6 +14,7 @@ import io
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -69,6 +70,74 @@ def save(folder: Path, step: int, state: dict, keep_last: int) -> Path:
         old.unlink(missing_ok=True)
         Path(str(old) + ".sha256").unlink(missing_ok=True)
     return path
+
+
+class HostCopy:
+    """A copy of a state (nested dicts/lists of tensors) in host memory, taken at a step
+    boundary so training can go on changing the originals while a background thread writes
+    the copy. Buffers are kept and reused by the next save (page-locked for GPU tensors, so
+    the device-to-host copies run asynchronously and one synchronize ends them all)."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, obj, key: str = ""):
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj.detach(), key)
+        if isinstance(obj, dict):
+            return {k: self(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self(v, f"{key}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    def _tensor(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.device.type == "cuda"
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self.buffers[key] = buf
+        return buf.copy_(t, non_blocking=t.device.type == "cuda")
+
+    def finish(self) -> None:
+        """Sync point (GPU): every device-to-host copy of this save has landed."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+class BackgroundWriter:
+    """One checkpoint write at a time in a background thread (TorchTitan-style asynchronous
+    save): serialising, hashing, fsync and rename run while training goes on. `submit` and
+    `wait` block until the previous write is done and raise its error, if it had one. The
+    thread is a daemon: a process that dies mid-write leaves only a temp file, and the
+    previous checkpoint stays the newest valid one."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def submit(self, job, *args) -> None:
+        self.wait()
+        if not self.enabled:
+            job(*args)
+            return
+        self.thread = threading.Thread(target=self._run, args=(job, args),
+                                       name="ddpflow-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self, job, args) -> None:
+        try:
+            job(*args)
+        except BaseException as e:  # noqa: BLE001 - raised again in the training thread
+            self.error = e
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
 
 
 def sha256_of(path: Path) -> str:

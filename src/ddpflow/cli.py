@@ -128,6 +128,28 @@ def _rank(args) -> int:
         return 0
 
 
+def _launch(cfg, args) -> int:
+    """`ddpflow launch`: torchrun's agent starts first (its torch import overlaps the
+    launcher's), the stage's wall time counts from this process's start."""
+    from contextlib import nullcontext
+
+    from .container import IN_CONTAINER
+    from .procs import WarmAgent
+    from .wallclock import launch_t0
+
+    t0 = launch_t0()
+    cfg.stage(args.stage)  # an unknown stage fails before anything runs
+    local = cfg.container.engine == "none" or os.environ.get(IN_CONTAINER)
+    warm = local and not args.dry_run and cfg.hardware.nodes == 1
+    with WarmAgent() if warm else nullcontext() as agent:
+        from .launch import launch
+
+        extra = ([f"--halt-after-steps={args.halt_after_steps}"]
+                 if args.halt_after_steps is not None else [])
+        return launch(cfg, args.stage, dry_run=args.dry_run, extra_args=extra, t0=t0,
+                      agent=agent)
+
+
 def _caps(text: str | None) -> list[float] | None:
     if not text:
         return None
@@ -176,13 +198,10 @@ def run(argv: list[str] | None = None) -> int:
         print(f"ddpflow: image record {out}: engine {rec['engine']}, "
               f"id {str(rec.get('image_id'))[:19]}")
         return 0
+    if args.command == "launch":
+        return _launch(cfg, args)
     from .launch import launch
 
-    if args.command == "launch":
-        cfg.stage(args.stage)  # an unknown stage fails before anything runs
-        extra = ([f"--halt-after-steps={args.halt_after_steps}"]
-                 if args.halt_after_steps is not None else [])
-        return launch(cfg, args.stage, dry_run=args.dry_run, extra_args=extra)
     if args.command == "run":
         _prepare(cfg)
         for st in cfg.stages:
@@ -220,5 +239,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> int:
+    """The `ddpflow` command (and `python -m ddpflow`). A process that imported torch spends
+    about a second tearing its modules down at exit; launcher, agent and ranks exit one after
+    another, so that second is paid three times per stage. Everything is written and
+    flushed by now: leave at once."""
+    rc = main()
+    if "torch" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -91,7 +91,9 @@ class HardwareCfg:
 
 @dataclass(frozen=True)
 class CheckpointCfg:
-    every_steps: int  # optimizer steps between checkpoints (0 = only at epoch end)
+    every_steps: int  # optimizer steps between checkpoints (0 = only at epoch ends)
+    every_epochs: int  # epochs between checkpoints at epoch ends (0 = none)
+    background: bool  # written by a background thread; training waits for the host copy
     keep_last: int
     resume: str  # auto | never
 
@@ -153,6 +155,7 @@ class StageCfg:
     strategy: str
     init_from: str | None
     freeze: tuple[str, ...] | None  # parameter name prefixes frozen here (None = model.freeze)
+    validate_every_epochs: int  # epochs between validations (the last is always validated)
 
 
 @dataclass(frozen=True)

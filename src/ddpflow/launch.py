@@ -13,21 +13,23 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from . import checkpoint, locks
+from . import checkpoint, lazydynamo, locks
 from .config import Config
 from .data import prepared
 from .data.prepare import check_settings
 from .data.prepared import write_json_atomic
 from .errors import UserError
-from .procs import run_torchrun
+from .procs import TORCHRUN, WarmAgent, run_torchrun
 from .provenance import expected_record, stage_result
-from .summary import result_text
+from .summary import result_text, write_summary
 from .userimport import add_code_dirs
+from .wallclock import LAUNCH_T0, complete
 
 EXIT_STOPPED = 75  # stopped at a checkpoint before the end (preempted): run again to resume
 EXIT_DIVERGED = 3  # loss became NaN/inf: rerunning the same settings will not help
@@ -92,6 +94,7 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
     here costs no rank start-up and no torchrun restart."""
     st = cfg.stage(stage)
     i = cfg.stage_index(stage)
+    lazydynamo.defer()  # the launcher never compiles: seconds saved in the meta-model check
     if st.batch_size == "auto":
         from .tune import load_choice
 
@@ -205,7 +208,7 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
     if cfg.hardware.nodes == 1:
         # a c10d rendezvous on this machine: every restart round gets fresh store keys, so a
         # restarted rank never dials a dead peer's address (pytorch issue 135712)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+        cmd = [*TORCHRUN, "--nnodes=1",
                f"--nproc-per-node={n}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={stage}-{os.getpid()}",
                restarts, *train]
@@ -254,7 +257,27 @@ def _read_failure(out: Path) -> dict | None:
     return _read_json(out / "failed.json")
 
 
-def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = ()) -> int:
+def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = (),
+           t0: float | None = None, agent: WarmAgent | None = None) -> int:
+    """Run one stage; t0 (epoch seconds) is when its command started, for the wall-time
+    split; `agent` a torchrun agent warmed up by the caller (else one is started here, so
+    its start-up overlaps the checks)."""
+    from . import container
+
+    t0 = time.time() if t0 is None else t0
+    os.environ[LAUNCH_T0] = f"{t0:.6f}"  # the ranks, and a container, count from here
+    local = cfg.container.engine == "none" or os.environ.get(container.IN_CONTAINER)
+    if agent is None and local and not dry_run and cfg.hardware.nodes == 1:
+        agent = WarmAgent()
+    try:
+        return _launch(cfg, stage, dry_run, extra_args, t0, agent)
+    finally:
+        if agent is not None:
+            agent.cancel()  # unused (a mistake, nothing to do): it ends having started nothing
+
+
+def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: float,
+            agent: WarmAgent | None) -> int:
     from . import container
 
     st = cfg.stage(stage)
@@ -292,8 +315,22 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
                                                   list(extra_args)), None
         else:
             write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
-            rc, stop_signal = run_torchrun(cmd, env, watch=out / RANK_ERROR)
+            rc, stop_signal = run_torchrun(cmd, env, watch=out / RANK_ERROR, agent=agent)
+        complete_wall(cfg, stage, t0)
         return _outcome(cfg, stage, rc, stop_signal, quiet=in_image)
+
+
+def complete_wall(cfg: Config, stage: str, t0: float) -> None:
+    """Add the time until now (process exit, teardown) to the wall split of a summary that
+    this launch's ranks wrote."""
+    summary, stale = stage_result(cfg, stage)
+    wall = (summary or {}).get("wall")
+    if stale or not wall or wall.get("rank_end", 0) < t0:
+        return
+    wall = complete(wall)
+    write_summary(cfg.stage_dir(stage) / "summary.json", {
+        **summary, "wall": wall, "wall_time_s": wall["total_s"],
+        "wall_samples_per_s": wall["samples_per_s"]})
 
 
 RANK_ERROR = "error.json"  # a user mistake found inside a rank (see report_rank_error)

@@ -9,11 +9,15 @@ restarts after it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _children(pid: int) -> list[int]:
@@ -57,7 +61,38 @@ def _child_setup() -> None:
         pass
 
 
-def run_torchrun(cmd: list, env: dict, watch: Path | None = None) -> tuple[int, str | None]:
+class WarmAgent:
+    """A torchrun agent started ahead (agent.py): it imports torch while the launcher checks
+    the config. `start` hands it the torchrun arguments; `cancel` ends it unused."""
+
+    def __init__(self):
+        r, self.pipe = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddpflow.agent", str(r)],
+                                     pass_fds=(r,), preexec_fn=_child_setup)
+        os.close(r)
+
+    def start(self, cmd: list, env: dict) -> subprocess.Popen:
+        with os.fdopen(self.pipe, "wb") as f:
+            f.write(json.dumps({"args": cmd[len(TORCHRUN):], "env": env}).encode())
+        self.pipe = None
+        return self.proc
+
+    def cancel(self) -> None:
+        if self.pipe is not None:
+            os.close(self.pipe)
+            self.pipe = None
+            _kill_group(self.proc)
+            self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
+
+
+def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
+                 agent: WarmAgent | None = None) -> tuple[int, str | None]:
     """Run torchrun; relay stop signals to its ranks; stop the group soon after a
     rank reports a user mistake in `watch` (the other ranks may be waiting for it in a
     collective). Returns (exit code, signal)."""
@@ -90,7 +125,10 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None) -> tuple[int, 
 
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_child_setup)
+    if agent is not None and agent.pipe is not None and cmd[:len(TORCHRUN)] == TORCHRUN:
+        proc = agent.start(cmd, {**os.environ, **env})
+    else:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_child_setup)
     if got["signal"]:
         relay(signal.Signals[got["signal"]])
     seen = None

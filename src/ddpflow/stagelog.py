@@ -12,6 +12,7 @@ from .metrics import efficiency_means, read_records
 from .models import param_count, unwrap
 from .runtime import environment, peak_memory_mib
 from .summary import write_summary
+from .wallclock import summary_block
 
 
 def interval_record(t, per_rank: list, dt: float, wait: float, n: int, loss: float,
@@ -42,6 +43,8 @@ def stage_summary(t) -> None:
     """summary.json of a finished stage: results, efficiency means, what it ran on, and the
     record of what it was made from."""
     s, d, cfg = t.state, t.d, t.cfg
+    t.clock.lap("teardown")
+    wall = summary_block(t.clock, s.wall_s, s.runs + 1, s.step * t.global_batch)
     records, problems = read_records(t.out / "metrics.jsonl")
     last_val = [r for r in records if r["kind"] == "val"][-1]
     final = {k: v for k, v in last_val.items() if k.startswith("val_")}
@@ -54,7 +57,9 @@ def stage_summary(t) -> None:
         "best_val_acc": best.get("val_acc"), "best_val_loss": best.get("val_loss"),
         "best_step": s.best.get("step"),
         "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
-        "wall_time_s": s.elapsed_s + time.perf_counter() - t.t_start,
+        # from the command to the result, all runs of the stage (the launcher adds its end)
+        "wall_time_s": wall["total_s"], "wall": wall,
+        "train_time_s": s.elapsed_s + time.perf_counter() - t.t_start,  # the loop's part
         **efficiency_means(records),
         "flops_per_sample": (t.flops_per_micro / t.batch_size if t.flops_per_micro else None),
         "peak_flops_per_gpu": t.peak,
@@ -93,9 +98,9 @@ def write_final(t) -> str:
         "step": t.state.step, "record": t.record})
 
 
-def write_best(t) -> None:
-    """best.pt: the weights of the best validation result so far by task.monitor."""
+def write_best(t, model: dict, best: dict) -> None:
+    """best.pt: the weights (`model`, a state dict) of the best validation result so far by
+    task.monitor (`best`: TrainState.best when they were copied)."""
     checkpoint.save_file(t.out / "best.pt", {
-        "model": unwrap(t.model).state_dict(), "config": t.cfg.to_dict(),
-        "step": t.state.step, "monitor": t.monitor, "value": t.state.best["value"],
-        "record": t.record})
+        "model": model, "config": t.cfg.to_dict(), "step": best["step"],
+        "monitor": t.monitor, "value": best["value"], "record": t.record})

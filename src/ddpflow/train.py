@@ -15,26 +15,28 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import checkpoint, distributed, runtime, stopflag
+from . import checkpoint, distributed, lazydynamo, runtime, stopflag
 from .config import Config, config_hash
 from .data import prepared
-from .data.pipeline import open_pipeline
+from .data.pipeline import close_workers, open_pipeline
 from .efficiency import FlopCount, GpuSampler, peak_flops
 from .errors import UserError
 from .metrics import MetricsLog
 from .models import build_model, forward, input_channels, param_count, unwrap
 from .provenance import init_source, make_record
 from .runtime import StopPoll, build_optimizer, lr_factor, mixed_precision, schedule, trace_file
-from .stagelog import interval_record, stage_summary, write_best, write_failure, write_final
+from .saver import Saver
+from .stagelog import interval_record, stage_summary, write_failure, write_final
 from .tasks import MetricSums, build_task, check_loss, improves, monitor
 from .tune import stage_settings
 from .userimport import add_code_dirs
+from .wallclock import WallClock, process_start
 from .weights import start_weights
 
 
@@ -50,10 +52,12 @@ class TrainState:
     loss_sum: float = 0.0  # summed loss of the log interval in progress
     loss_count: int = 0  # optimizer steps in that sum
     skipped_steps: int = 0  # fp16 steps the GradScaler skipped
+    wall_s: dict = field(default_factory=dict)  # earlier processes' wall split (wallclock.py)
+    runs: int = 0  # earlier processes of this stage that left a checkpoint
 
     @classmethod
     def from_checkpoint(cls, state: dict) -> "TrainState":
-        return cls(**{k: state[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: state[k] for k in cls.__dataclass_fields__ if k in state})
 
 
 class Trainer:
@@ -65,6 +69,12 @@ class Trainer:
         self.state = TrainState()
         self.diverged: str | None = None  # the reason, once a NaN/inf loss was seen on a rank
         self.halted = False
+        # wall time since `ddpflow launch` started, phase by phase (summary.json "wall")
+        self.clock = WallClock()
+        self.clock.marks["rank_process"] = round(process_start() - self.clock.t0, 4)
+        self.clock.mark("rank_imports")
+        self.saver = Saver(self)
+        self.best_due = False  # best.pt is written with the next save
 
     def say(self, msg: str) -> None:
         if self.d.is_master:
@@ -74,6 +84,7 @@ class Trainer:
     def setup(self) -> None:
         cfg, st = self.cfg, self.st
         self.d = d = distributed.setup(cfg.hardware, process_group=st.strategy == "ddp")
+        self.clock.mark("process_group")
         distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
         add_code_dirs(cfg)
         stopflag.install()  # (again: `ddpflow train` installs it before its imports)
@@ -82,11 +93,14 @@ class Trainer:
         self.batch_size, self.tuned = self.settings.batch_size, self.settings.tuned
         self.precision, self.compile = self.settings.precision, self.settings.compile
         self.channels_last = self.settings.channels_last
+        if not self.compile:
+            lazydynamo.defer()  # seconds of start-up that only torch.compile needs
         self.meta = prepared.read_meta(cfg.data_dir) or prepared.load(cfg.data_dir)[0]
         self.data = open_pipeline(cfg, d, self.meta, self.batch_size, self.tuned,
                                   lambda c: input_channels(cfg.model.name, c),
                                   self.channels_last, trace=trace_file(d.rank))
         self.say(f"loader: {self.data.kind} ({self.data.reason})")
+        self.clock.mark("data")
         self.accum = st.grad_accum_steps
         self.steps_per_epoch = len(self.data.train) // self.accum  # a partial group is dropped
         if self.steps_per_epoch == 0:
@@ -97,7 +111,9 @@ class Trainer:
         self.global_batch = self.batch_size * d.world * self.accum
         self.build_model()
         self.build_optimizer()
+        self.clock.mark("model")
         self.resume()
+        self.clock.mark("resume")
 
     def build_model(self) -> None:
         cfg, st, d = self.cfg, self.st, self.d
@@ -167,11 +183,17 @@ class Trainer:
             self.train_epoch()
             if self.halted:
                 break
-            self.validate()
+            last = s.step >= self.total_steps  # the last epoch is always validated
+            if last or (s.epoch + 1) % self.st.validate_every_epochs == 0:
+                self.validate()
             s.epoch += 1
             self.in_epoch = 0
-            if not self.checkpoint():
+            every = self.cfg.checkpoint.every_epochs  # 0: no checkpoint at epoch ends
+            due = bool(every) and s.epoch % every == 0
+            if (due or self.best_due) and not self.checkpoint(ckpt=due):
                 break
+        self.clock.lap("train")
+        close_workers(self.data.train)
         self.bar.close()
         if self.gpu:
             self.gpu.close()
@@ -196,6 +218,7 @@ class Trainer:
         self.peak = peak_flops(d.device, self.precision)  # per GPU, or None (CPU, unknown)
         self.gpu = GpuSampler(d.device) if d.is_master else None
         self.stop_poll = StopPoll(self.cfg.stop_check_s, s.step)
+        self.clock.lap("startup")  # start-up ends here: the loop asks for its first batch
 
     def train_epoch(self) -> None:
         s = self.state
@@ -231,9 +254,9 @@ class Trainer:
         """One optimizer step: accum micro-batches, gradients all-reduced on the last."""
         s, model = self.state, self.model
         for micro in range(self.accum):
-            t0 = time.perf_counter()
+            self.clock.lap("train")
             batch = next(it)
-            self.interval[1] += time.perf_counter() - t0  # host time blocked on the batch
+            self.interval[1] += self.clock.lap("data_wait")  # host time blocked on the batch
             last = micro == self.accum - 1 or not hasattr(model, "no_sync")
             counter = FlopCount() if self.flops_per_micro is None else nullcontext()
             with counter, nullcontext() if last else model.no_sync():
@@ -265,6 +288,8 @@ class Trainer:
         self.in_epoch += 1
         self.interval[2] += 1
         self.bar.update(1)
+        if "first_step" not in self.clock.marks:
+            self.clock.mark("first_step")  # host side: the step's kernels may still be queued
 
     def log_interval(self) -> bool:
         """Sync point: the interval's loss to the host and one collective of per-rank
@@ -314,6 +339,7 @@ class Trainer:
         """The task's metrics over the validation split, summed on each rank and all-reduced
         once (a sync point); the monitored one decides best.pt."""
         d, s = self.d, self.state
+        self.clock.lap("train", sync=d.device)  # sync point: queued steps count as training
         net = unwrap(self.train_model).eval()  # plain module: ranks see different counts
         distributed.broadcast_buffers(d, net)  # every rank validates with rank 0's BN stats
         sums = MetricSums(self.task, self.cfg.task.name, d.device)
@@ -327,6 +353,7 @@ class Trainer:
                             "time_s": s.elapsed_s + time.perf_counter() - self.t_start})
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             self.say(f"epoch {s.epoch}: {shown}")
+        self.clock.lap("validation")
 
     def update_best(self, metrics: dict) -> None:
         s = self.state
@@ -334,34 +361,26 @@ class Trainer:
             s.best = {"monitor": self.monitor, "mode": self.mode,
                       "value": metrics[self.monitor], "step": s.step, "epoch": s.epoch,
                       "metrics": metrics}
-            if self.d.is_master:
-                write_best(self)
+            self.best_due = True  # written with the save that follows this validation
         self.last_metrics = metrics
 
     # ------------------------------------------------------------------ checkpoint, finish
-    def checkpoint(self) -> bool:
-        """Checkpoint unless some rank's loss went bad since the last one (then False)."""
+    def checkpoint(self, ckpt: bool = True) -> bool:
+        """Save, unless some rank's loss went bad since the last save (then False): a
+        checkpoint (ckpt) and best.pt when validation improved it (saver.py)."""
         s, d = self.state, self.d
-        # a collective (every rank's RNG state, first bad step) and I/O on rank 0: a sync point
+        self.clock.lap("train")
+        # a collective (every rank's RNG state, first bad step): a sync point
         gathered = distributed.gather_objects(
             d, (distributed.rng_state(d.device), int(self.first_bad.item())))
         bad_steps = [g[1] for g in gathered if g[1] >= 0]
         if bad_steps:  # never save weights that a NaN/inf loss has already touched
             self.diverged = self.divergence(bad_steps)
             return False
-        if d.is_master:
-            now = TrainState(**{**asdict(s), "step_in_epoch": self.in_epoch * self.accum,
-                                "elapsed_s": s.elapsed_s + time.perf_counter() - self.t_start,
-                                "loss_sum": float(self.loss_sum.item()),
-                                "skipped_steps": int(self.skipped.item())})
-            checkpoint.save(self.ckpt_dir, s.step, {
-                "model": unwrap(self.model).state_dict(), "optimizer": self.opt.state_dict(),
-                "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
-                **asdict(now), "rng": [g[0] for g in gathered], "stage": self.st.name,
-                "config": self.cfg.to_dict(), "config_hash": self.cfg.hash,
-                "stage_hash": self.cfg.stage_hash(self.st.name),
-                "resume_key": self.resume_key, "record": self.record,
-            }, self.cfg.checkpoint.keep_last)
+        if d.is_master:  # the host copy blocks; the files are written in the background
+            self.saver.save(gathered, ckpt, dict(s.best) if self.best_due else None)
+        self.best_due = False
+        self.clock.lap("checkpoint")
         return True
 
     def finish(self) -> None:
@@ -372,11 +391,15 @@ class Trainer:
         if not self.d.is_master:
             return
         self.log.close()
+        if not self.diverged and not self.halted:
+            self.final_sha = write_final(self)  # while the last checkpoint is being written
+        self.clock.lap("teardown")
+        self.saver.wait()  # the last save is complete before the stage ends or stops
+        self.clock.lap("checkpoint")
         if self.diverged:
             write_failure(self)
             self.say(f"stopped: {self.diverged}")
         elif not self.halted:
-            self.final_sha = write_final(self)
             stage_summary(self)
             self.say(f"done: {self.out / 'summary.json'}")
 

@@ -30,6 +30,14 @@ class Pipeline:
     train_samples: int
 
 
+def close_workers(batches) -> None:
+    """Stop the DataLoader worker processes of `batches` now, not at interpreter exit (a rank
+    leaves with os._exit, see cli.entry)."""
+    it = getattr(getattr(batches, "loader", None), "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+
+
 def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                   model_channels: Callable[[int], int], channels_last: bool,
                   trace=None) -> Pipeline:

@@ -1,0 +1,57 @@
+"""Saving a stage without stopping it: rank 0 copies the state to host memory at the step
+boundary (the only part training waits for), then a background thread writes best.pt and
+the checkpoint (serialise, checksum, fsync, rename: checkpoint.py's atomic rules). The next
+save, a stop and the stage's end wait for the write in flight. Reads the `Trainer`
+(train.py) it saves, like stagelog.py."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+
+from . import checkpoint
+from .models import unwrap
+from .stagelog import write_best
+
+
+class Saver:
+    def __init__(self, trainer):
+        self.t = trainer
+        self.writer = checkpoint.BackgroundWriter(trainer.cfg.checkpoint.background)
+        self.host_copy = checkpoint.HostCopy()
+
+    def save(self, gathered: list, ckpt: bool, best: dict | None) -> None:
+        """On rank 0: a checkpoint (ckpt) and best.pt (best: TrainState.best now) from the
+        state as it is at this step; `gathered`: every rank's (RNG state, first bad step)."""
+        t = self.t
+        self.writer.wait()  # the previous write is done: its host buffers are free
+        model = self.host_copy(unwrap(t.model).state_dict(), "model")
+        state = self.host_copy(checkpoint_state(t, gathered), "state") if ckpt else None
+        self.host_copy.finish()  # sync point (GPU): the copies have landed
+        self.writer.submit(self._write, model, state, best)
+
+    def _write(self, model: dict, state: dict | None, best: dict | None) -> None:
+        if best is not None:
+            write_best(self.t, model, best)
+        if state is not None:
+            checkpoint.save(self.t.ckpt_dir, state["step"], {"model": model, **state},
+                            self.t.cfg.checkpoint.keep_last)
+
+    def wait(self) -> None:
+        """Until the write in flight is complete (raises its error, if it had one)."""
+        self.writer.wait()
+
+
+def checkpoint_state(t, gathered: list) -> dict:
+    """Everything a checkpoint holds besides the model's weights: TrainState as of this
+    step, optimizer, scheduler, scaler, every rank's RNG, and what the stage was made of."""
+    s = t.state
+    now = replace(s, step_in_epoch=t.in_epoch * t.accum,
+                  elapsed_s=s.elapsed_s + time.perf_counter() - t.t_start,
+                  loss_sum=float(t.loss_sum.item()), skipped_steps=int(t.skipped.item()),
+                  wall_s=t.clock.total(s.wall_s), runs=s.runs + 1)
+    return {"optimizer": t.opt.state_dict(), "scheduler": t.sched.state_dict(),
+            "scaler": t.scaler.state_dict(), **asdict(now), "rng": [g[0] for g in gathered],
+            "stage": t.st.name, "config": t.cfg.to_dict(), "config_hash": t.cfg.hash,
+            "stage_hash": t.cfg.stage_hash(t.st.name), "resume_key": t.resume_key,
+            "record": t.record}
