@@ -14,6 +14,8 @@ builder, say) imports the real torch._dynamo and hands over to it.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 import types
 
@@ -37,15 +39,35 @@ def _real(attr: str):
 
 class _Standin(types.ModuleType):
     def __getattr__(self, attr: str):
-        if attr.startswith("__") and attr.endswith("__"):
+        # `import torch._dynamo.utils` (torchvision.ops does) asks the parent for __path__
+        if attr.startswith("__") and attr.endswith("__") and attr != "__path__":
             raise AttributeError(attr)
         return _real(attr)
+
+
+class _Loaded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import torch._dynamo.X` while the stand-in was in place: the import system has just
+    swapped in the real package (asking the stand-in for __path__), whose import loaded X:
+    hand the import system that module instead of letting it load a second copy."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith(NAME + ".") and name in sys.modules and not deferred():
+            return importlib.machinery.ModuleSpec(name, self)
+        return None  # not loaded yet: the usual finders load it, as the real package's child
+
+    def create_module(self, spec):
+        return sys.modules[spec.name]
+
+    def exec_module(self, module):
+        pass
 
 
 def defer() -> bool:
     """Install the stand-in unless torch._dynamo is loaded already; True if installed."""
     if NAME in sys.modules:
         return False
+    if not any(isinstance(f, _Loaded) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Loaded())
     standin = _Standin(NAME, __doc__)
     standin.disable = _disable
     standin.graph_break = _graph_break
