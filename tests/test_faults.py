@@ -155,6 +155,8 @@ def stop_ranks_mid_write(proc: subprocess.Popen, ckdir: Path) -> bool:
 
 
 def test_sigkill_while_a_checkpoint_is_written(tmp_path):
+    """The background writer (checkpoint.background, on by default) is killed mid-write:
+    the previous checkpoint resumes the run to the uninterrupted run's weights."""
     # resnet18's checkpoint (weights + momentum, ~90 MB) takes long enough to catch mid-write
     stage = {"name": "s1", "max_steps": 20, "batch_size": 8, "lr": 0.01}
     extra = {"model": {"name": "resnet18"}, "checkpoint": {"every_steps": 2, "keep_last": 3}}
@@ -176,6 +178,35 @@ def test_sigkill_while_a_checkpoint_is_written(tmp_path):
     assert f"resumed from ckpt-{good:09d}.pt" in proc.stderr
     assert not list(ckdir.glob(".ckpt-*.tmp*"))
     assert_same_weights(final_weights(run_dir), final_weights(ref_dir))
+
+
+def test_sigterm_while_a_checkpoint_write_is_in_flight(tmp_path):
+    """SIGTERM reaches the job while the background writer is mid-write (the ranks are
+    held stopped at that moment, the signal waits for them): the stage still stops at a new
+    checkpoint, exit 75, and every checkpoint left, the interrupted one included, is
+    complete and verifies."""
+    stage = {"name": "s1", "max_steps": 40, "batch_size": 8, "lr": 0.01}
+    extra = {"model": {"name": "resnet18"}, "checkpoint": {"every_steps": 2, "keep_last": 20}}
+    p = setup_run(tmp_path, stage, **extra)
+    ckdir = tmp_path / "results/t/stages/s1/checkpoints"
+    proc = start(p)
+    wait_for(lambda: ckpt_steps(tmp_path) and ckpt_steps(tmp_path)[-1] >= 2, every=0.01)
+    assert stop_ranks_mid_write(proc, ckdir), "no checkpoint write was caught"
+    in_flight = int(next(ckdir.glob(".ckpt-?????????.pt.tmp*")).name[6:15])
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher relays it to the (stopped) ranks
+    time.sleep(0.5)
+    for v in ranks(proc):
+        v.resume()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    stopped_at = int(err.split("SIGTERM received: checkpoint at step ")[1].split()[0])
+    assert in_flight < stopped_at < stage["max_steps"]
+    assert in_flight in ckpt_steps(tmp_path) and ckpt_steps(tmp_path)[-1] == stopped_at
+    assert not list(ckdir.glob(".ckpt-*.tmp*"))
+    from ddpflow import checkpoint
+
+    assert all(checkpoint.verify(path) is None
+               for _, path in checkpoint.list_checkpoints(ckdir))
 
 
 def test_hung_rank_fails_within_the_timeout(tmp_path):

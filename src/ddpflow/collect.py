@@ -34,8 +34,10 @@ from .summary import read_summary, result_text
 
 COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
            "final_val_acc", "best_val_acc",
-           "final_val_loss", "best_val_loss", "wall_time_s", "mean_samples_per_s",
-           "samples_per_s_per_rank", "data_wait_fraction", "mfu", "peak_mem_mib", "world_size",
+           "final_val_loss", "best_val_loss", "wall_time_s", "wall_samples_per_s",
+           "startup_s", "train_s", "data_wait_s", "validation_s", "checkpoint_s", "teardown_s",
+           "mean_samples_per_s", "samples_per_s_per_rank", "data_wait_fraction", "mfu",
+           "peak_mem_mib", "world_size",
            "precision", "global_batch", "loader", "final_checkpoint", "final_sha256",
            "final_bytes", "best_checkpoint", "best_sha256", "best_bytes", "note"]
 
@@ -73,6 +75,8 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         if stale:
             row["stale"] = stale
             notes.append(f"{stale}; run the stage (or the workflow) again")
+        # where the wall time went (summary "wall": from the command to the result)
+        row.update({f"{k}_s": v for k, v in ((s.get("wall") or {}).get("split_s") or {}).items()})
         if row.get("mean_samples_per_s") is not None:
             row["samples_per_s_per_rank"] = row["mean_samples_per_s"] / s["world_size"]
     for kind in ("final", "best"):
@@ -193,7 +197,9 @@ def headline(cfg: Config, rows: list[dict]) -> str:
             shown = result_text({"monitor": m, "final_metrics": {m: r.get(f"final_{m}")},
                                  "best_value": r.get("best_value", r.get("best_val_acc"))})
             lines.append(f"  {r['stage']:12s} {shown}  {r['steps']} steps  "
-                         f"{r['wall_time_s']:.0f} s  {r['mean_samples_per_s'] or 0:.0f} samples/s "
+                         f"{r['wall_time_s']:.0f} s ({r.get('startup_s') or 0:.0f} s start-up)  "
+                         f"{r.get('wall_samples_per_s') or 0:.0f} samples/s overall, "
+                         f"{r['mean_samples_per_s'] or 0:.0f} in steady state "
                          f"on {r['world_size']} rank(s), {r['precision']}")
         else:
             what = "STALE" if r.get("stale") else "NOT FINISHED"

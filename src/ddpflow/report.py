@@ -52,11 +52,14 @@ def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
     state = ('<span class="ok">finished</span>' if summary["finished"]
              else '<span class="bad">NOT FINISHED</span>')
     label = metric.replace("_", " ")
-    head = ["stage", label, f"best {label}", "steps", "wall time (s)", "samples/s", "per rank",
-            "data wait", "ranks", "precision", "global batch"]
-    keys = ["stage", f"final_{metric}", "best_value", "steps", "wall_time_s",
-            "mean_samples_per_s", "samples_per_s_per_rank", "data_wait_fraction", "world_size",
-            "precision", "global_batch"]
+    # samples/s overall: samples / wall time from the command to the result; steady state:
+    # the logged intervals only (no start-up, first interval, validation, checkpoint stalls)
+    head = ["stage", label, f"best {label}", "steps", "wall time (s)", "start-up (s)",
+            "samples/s overall", "samples/s steady state", "per rank", "data wait", "ranks",
+            "precision", "global batch"]
+    keys = ["stage", f"final_{metric}", "best_value", "steps", "wall_time_s", "startup_s",
+            "wall_samples_per_s", "mean_samples_per_s", "samples_per_s_per_rank",
+            "data_wait_fraction", "world_size", "precision", "global_batch"]
     trs = []
     for r in rows:
         r = {**r, "data_wait_fraction": (f"{100 * r['data_wait_fraction']:.1f} %"

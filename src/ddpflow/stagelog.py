@@ -61,6 +61,10 @@ def stage_summary(t) -> None:
         "wall_time_s": wall["total_s"], "wall": wall,
         "train_time_s": s.elapsed_s + time.perf_counter() - t.t_start,  # the loop's part
         **efficiency_means(records),
+        "steady_state_excludes": "start-up, each run's first log interval, validation, "
+                                 "checkpoint stalls, steps after an epoch's last log line, "
+                                 "teardown (wall_samples_per_s includes everything)",
+        "wall_samples_per_s": wall["samples_per_s"],
         "flops_per_sample": (t.flops_per_micro / t.batch_size if t.flops_per_micro else None),
         "peak_flops_per_gpu": t.peak,
         "world_size": d.world, "device": d.device.type, "backend": d.backend,

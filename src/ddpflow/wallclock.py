@@ -6,7 +6,9 @@ training steps, data wait, validation, checkpoint stalls (only the blocking part
 and teardown (after the last step until the launcher returns). The laps are contiguous,
 so the phases add up to the stage's wall time; `tests/test_engine.py` checks that against
 a stopwatch around the command. Clocks are `time.time()`: the launcher and the ranks are
-different processes and share only the wall clock.
+different processes and share only the wall clock. A resumed stage adds the split of its
+earlier runs up to their last checkpoint (TrainState.wall_s); what a stopped run did after
+that checkpoint was redone and is not counted twice.
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ def summary_block(clock: WallClock, earlier: dict | None, runs: int, samples: in
     """The `wall` block of summary.json as rank 0 writes it; the launcher completes it
     (`complete`) with the time until its own end."""
     split = clock.total(earlier)
-    return {"split_s": split, "total_s": sum(split.values()), "runs": runs,
-            "samples": samples, "startup_marks_s": clock.marks,
-            "rank_end": clock.last, "rank_teardown_s": split["teardown"]}
+    return complete({"split_s": split, "runs": runs, "samples": samples,
+                     "startup_marks_s": clock.marks, "rank_end": clock.last,
+                     "rank_teardown_s": split["teardown"]}, end=clock.last)
 
 
 def complete(wall: dict, end: float | None = None) -> dict:
