@@ -62,9 +62,14 @@ opt.step(); opt.zero_grad(); opt.state_dict()
 with torch.device("meta"):
     nn.Linear(4, 4)(torch.empty(2, 4))
 print("deferred after training", lazydynamo.deferred())
-import torchvision.ops  # imports torch._dynamo.utils: the real package takes over
+import torchvision.models  # imports torch._dynamo.utils.is_compile_supported
+torchvision.models.resnet18()
+print("deferred after torchvision", lazydynamo.deferred())
+from torchvision.ops.roi_align import is_compile_supported
+print("compile supported on cpu", is_compile_supported("cpu"))  # asks the real one
+from torch._dynamo import config
 import torch._dynamo.utils as u
-print("deferred after torchvision.ops", lazydynamo.deferred())
+print("deferred after use", lazydynamo.deferred(), config.optimize_ddp)
 print("one module", u is sys.modules["torch._dynamo.utils"] is torch._dynamo.utils)
 print("real disable", torch._dynamo.disable.__module__)
 '''
@@ -76,6 +81,8 @@ def test_deferred_dynamo_import_trains_and_hands_over():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert "deferred after training True" in lines
-    assert "deferred after torchvision.ops False" in lines
+    assert "deferred after torchvision True" in lines
+    assert "compile supported on cpu True" in lines
+    assert "deferred after use False True" in lines
     assert "one module True" in lines
     assert "real disable torch._dynamo.decorators" in lines

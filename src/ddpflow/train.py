@@ -83,6 +83,8 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg, st = self.cfg, self.st
+        if not (st.compile or cfg.tune.compile):  # tune.json may turn compile on
+            lazydynamo.defer()  # seconds of start-up that only torch.compile needs
         self.d = d = distributed.setup(cfg.hardware, process_group=st.strategy == "ddp")
         self.clock.mark("process_group")
         distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
@@ -93,8 +95,6 @@ class Trainer:
         self.batch_size, self.tuned = self.settings.batch_size, self.settings.tuned
         self.precision, self.compile = self.settings.precision, self.settings.compile
         self.channels_last = self.settings.channels_last
-        if not self.compile:
-            lazydynamo.defer()  # seconds of start-up that only torch.compile needs
         self.meta = prepared.read_meta(cfg.data_dir) or prepared.load(cfg.data_dir)[0]
         self.data = open_pipeline(cfg, d, self.meta, self.batch_size, self.tuned,
                                   lambda c: input_channels(cfg.model.name, c),
