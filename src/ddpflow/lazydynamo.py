@@ -5,7 +5,8 @@ torch marks its optimizers, DistributedDataParallel and dispatch modes "not to b
 torch.compile" with `torch._disable_dynamo`, which imports torch._dynamo on the first call
 only to wrap the function in `torch._dynamo.disable`; the optimizers' step calls
 `torch._dynamo.graph_break()` (a no-op outside tracing), DDP asks which DDP mode dynamo
-would use, and `import torchvision` imports `torch._dynamo.utils.is_compile_supported`
+would use, init_process_group clears dynamo's trace-rule caches (empty while it was never
+imported), and `import torchvision` imports `torch._dynamo.utils.is_compile_supported`
 (2.3 s of its 2.6 s here). A stage that never compiles never traces, so none of this changes
 what runs. `defer()` puts stand-ins for torch._dynamo and torch._dynamo.utils in their place
 that answer exactly these as the real ones do outside tracing (is_compile_supported by
@@ -81,6 +82,8 @@ def defer() -> bool:
     standin = _Standin(NAME, __doc__)
     standin.disable = _disable
     standin.graph_break = _graph_break
+    # init_process_group: nothing is cached while the real module was never imported
+    standin.trace_rules = types.SimpleNamespace(clear_lru_cache=lambda: None)
     utils = _Standin(UTILS)
     utils.is_compile_supported = _is_compile_supported  # torchvision.ops imports it
     # DDP's constructor: dynamo's default optimize_ddp mode (what it returns untraced)
