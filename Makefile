@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/optimizer_step.py
 	$(PY) bench/user_dataset.py
 	$(PY) bench/trainer_vs_reference.py
+	$(PY) bench/vs_lightning.py
 
 clean:
 	rm -rf results logs .snakemake

@@ -4,7 +4,8 @@ Every rank of the node runs this, started by the torchrun line `ddpflow launch` 
 (`ddpflow launch --dry-run` prints it); on CPU, gloo ranks. Rank 0 alone writes
 files and shows the progress bar. `Trainer.run` reads top to bottom: setup (data, model,
 optimizer, resume), then epochs of `train_step`s with `log_interval`s, `validate` and
-`checkpoint` at each epoch end, then `finish`. The three things a user replaces come in
+`checkpoint` at epoch ends (as often as asked; saver.py writes in the background), then
+`finish`. `clock` (wallclock.py) gives every second to a phase. What a user replaces comes in
 through seams: the model builder (models.py), the data (data/pipeline.py) and the task
 (tasks.py). `TrainState` is exactly what a checkpoint holds besides the tensors' states.
 """
@@ -406,9 +407,8 @@ class Trainer:
 
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
     """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     return Trainer(cfg, stage_name, halt_after_steps).run()
 
 
-def main(cfg: Config, stage: str, halt_after_steps: int | None = None) -> int:
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return train_stage(cfg, stage, halt_after_steps)
+main = train_stage  # what each torchrun rank runs (cli.py)
