@@ -22,7 +22,9 @@ def test_wall_split_adds_up_and_epoch_cadence(tmp_path):
     p = write_config(tmp_path, cfg)
     ddpflow("prepare", "--config", p, check=True)
     t0 = time.time()
-    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    # a value left in the environment by some other command must not be taken as this start
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True,
+            env={"DDPFLOW_LAUNCH_T0": "1000.0"})
     stopwatch = time.time() - t0
     out = tmp_path / "results/t/stages/s1"
     s = json.loads((out / "summary.json").read_text())

@@ -157,8 +157,14 @@ def _gpu_ids() -> list[str] | None:
     return outer.split(",") if outer else [str(i) for i in range(n)]
 
 
-def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str]) -> int:
-    """Run `ddpflow launch` for one stage inside the image; returns its exit code."""
+def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str],
+              t0: float | None = None) -> int:
+    """Run `ddpflow launch` for one stage inside the image; returns its exit code. t0: when
+    the stage's command started (its wall time counts from there, container start-up
+    included)."""
+    from .wallclock import LAUNCH_T0
+
+    t0_env = {LAUNCH_T0: f"{time.time() if t0 is None else t0:.6f}"}
     argv = ["ddpflow", "launch", "--config", str(resolved.resolve()), "--stage", stage,
             *extra_args]
     gpus = _gpu_ids()
@@ -167,7 +173,8 @@ def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str]) ->
         sif = cfg.run_dir / "image.sif"
         cmd = ["apptainer", "exec", *(["--nv"] if gpus else []),
                *[x for m in mounts for x in ("--bind", f"{m}:{m}")],
-               "--env", f"{IN_CONTAINER}=apptainer:{sif}", str(sif), *argv]
+               "--env", f"{IN_CONTAINER}=apptainer:{sif}",
+               "--env", f"{LAUNCH_T0}={t0_env[LAUNCH_T0]}", str(sif), *argv]
         return subprocess.call(cmd)
     import docker
 
@@ -182,7 +189,8 @@ def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str]) ->
     container = c.containers.run(
         image, argv, detach=True, working_dir=str(Path.cwd()),
         user=f"{os.getuid()}:{os.getgid()}",
-        environment={IN_CONTAINER: f"{cfg.container.engine}:{image}", "HOME": "/tmp"},
+        environment={IN_CONTAINER: f"{cfg.container.engine}:{image}", "HOME": "/tmp",
+                     **t0_env},
         volumes={str(m): {"bind": str(m), "mode": "rw"} for m in mounts},
         shm_size=cfg.container.shm_size, device_requests=requests, init=True,
         network_mode="host")

@@ -265,7 +265,6 @@ def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str]
     from . import container
 
     t0 = time.time() if t0 is None else t0
-    os.environ[LAUNCH_T0] = f"{t0:.6f}"  # the ranks, and a container, count from here
     local = cfg.container.engine == "none" or os.environ.get(container.IN_CONTAINER)
     if agent is None and local and not dry_run and cfg.hardware.nodes == 1:
         agent = WarmAgent()
@@ -312,10 +311,11 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
         write_json_atomic(out / "config.json", cfg.to_dict())
         if in_image:
             rc, stop_signal = container.run_stage(cfg, out / "config.json", stage,
-                                                  list(extra_args)), None
+                                                  list(extra_args), t0), None
         else:
             write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
-            rc, stop_signal = run_torchrun(cmd, env, watch=out / RANK_ERROR, agent=agent)
+            rc, stop_signal = run_torchrun(cmd, {**env, LAUNCH_T0: f"{t0:.6f}"},  # ranks
+                                           watch=out / RANK_ERROR, agent=agent)  # count from t0
         complete_wall(cfg, stage, t0)
         return _outcome(cfg, stage, rc, stop_signal, quiet=in_image)
 

@@ -34,9 +34,10 @@ from .provenance import init_source, make_record
 from .runtime import StopPoll, build_optimizer, lr_factor, mixed_precision, schedule, trace_file
 from .saver import Saver
 from .stagelog import interval_record, stage_summary, write_failure, write_final
-from .tasks import MetricSums, build_task, check_loss, improves, monitor
+from .tasks import build_task, check_loss, improves, monitor
 from .tune import stage_settings
 from .userimport import add_code_dirs
+from .validation import VAL_BATCH_FACTOR, val_metrics
 from .wallclock import WallClock, process_start
 from .weights import start_weights
 
@@ -110,6 +111,7 @@ class Trainer:
                             f"{self.data.train_samples} training samples; lower the batch size")
         self.total_steps = st.max_steps or st.epochs * self.steps_per_epoch
         self.global_batch = self.batch_size * d.world * self.accum
+        self.val_batch = VAL_BATCH_FACTOR * self.batch_size  # per rank; halved on a GPU OOM
         self.build_model()
         self.build_optimizer()
         self.clock.mark("model")
@@ -337,17 +339,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """The task's metrics over the validation split, summed on each rank and all-reduced
-        once (a sync point); the monitored one decides best.pt."""
+        """The task's metrics over the validation split (validation.py); the monitored one
+        decides best.pt."""
         d, s = self.d, self.state
         self.clock.lap("train", sync=d.device)  # sync point: queued steps count as training
         net = unwrap(self.train_model).eval()  # plain module: ranks see different counts
         distributed.broadcast_buffers(d, net)  # every rank validates with rank 0's BN stats
-        sums = MetricSums(self.task, self.cfg.task.name, d.device)
-        with torch.no_grad(), self.autocast:
-            for batch in self.data.val():
-                sums.add(forward(net, batch[0]), batch)
-        metrics = sums.reduce(d)  # one gather of names, one all-reduce: a sync point
+        metrics = val_metrics(self, net)  # at the largest batch that fits: sync points
         self.update_best(metrics)
         if d.is_master:
             self.log.write({"kind": "val", "step": s.step, "epoch": s.epoch, **metrics,

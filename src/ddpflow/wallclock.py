@@ -34,12 +34,17 @@ def process_start() -> float:
 
 
 def launch_t0() -> float:
-    """When the command of this stage started: the launcher's, passed down to the ranks
-    (and into a container) as DDPFLOW_LAUNCH_T0; else this process's start."""
+    """When the command of this stage started: the launcher's, passed down as
+    DDPFLOW_LAUNCH_T0 to the ranks (torchrun's workers) and into a container (whose launcher
+    runs with DDPFLOW_IN_CONTAINER); else this process's start. An inherited value anywhere
+    else belongs to some other command."""
+    passed_down = "TORCHELASTIC_RUN_ID" in os.environ or "DDPFLOW_IN_CONTAINER" in os.environ
     try:
-        return float(os.environ[LAUNCH_T0])
+        if passed_down:
+            return float(os.environ[LAUNCH_T0])
     except (KeyError, ValueError):
-        return process_start()
+        pass
+    return process_start()
 
 
 class WallClock:

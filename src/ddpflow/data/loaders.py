@@ -171,14 +171,26 @@ def forever(make_epoch):
         epoch += 1
 
 
-def val_batches(images, labels, batch_size, device, world, rank, normalize):
-    """This rank's strided share of the validation split, unaugmented, in order."""
+def val_batches(images, labels, device, world, rank, normalize, resident=False):
+    """(batch size) -> this rank's strided share of the validation split, unaugmented, in
+    order. resident (the device loader): the share is copied to the device at the first
+    validation and stays there (no copy per epoch)."""
     idx = list(range(rank, len(labels), world))
-    for i in range(0, len(idx), batch_size):
-        part = idx[i:i + batch_size]
-        x = torch.from_numpy(images[part]).to(device, non_blocking=True)
-        y = torch.from_numpy(labels[part]).long().to(device, non_blocking=True)
-        yield normalize(x), y
+    kept = {}
+
+    def batches(batch_size: int):
+        if resident and not kept:
+            kept["x"] = torch.from_numpy(np.ascontiguousarray(images[idx])).to(device)
+            kept["y"] = torch.from_numpy(labels[idx]).long().to(device)
+        for i in range(0, len(idx), batch_size):
+            if resident:
+                x, y = kept["x"][i:i + batch_size], kept["y"][i:i + batch_size]
+            else:
+                part = idx[i:i + batch_size]
+                x = torch.from_numpy(images[part]).to(device, non_blocking=True)
+                y = torch.from_numpy(labels[part]).long().to(device, non_blocking=True)
+            yield normalize(x), y
+    return batches
 
 
 def choose_loader(setting: str, nbytes: int, device: torch.device, fraction: float):

@@ -22,7 +22,7 @@ from .loaders import Normalize, TrainBatches, choose_loader, val_batches
 @dataclass
 class Pipeline:
     train: Any  # .epoch(epoch, start_step) -> batches; len() = batches per epoch of a rank
-    val: Callable[[], Any]  # () -> this rank's validation batches
+    val: Callable[[int], Any]  # (batch size) -> this rank's validation batches
     kind: str  # device | dataloader
     reason: str  # why this loader
     num_classes: int | None
@@ -61,8 +61,8 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                          cfg.seed, cfg.data.augment, normalize, workers, cfg.data.pin_memory,
                          cfg.data.persistent_workers, prefetch, trace=trace)
 
-    def val():
-        return val_batches(val_x, val_y, 2 * batch_size, d.device, d.world, d.rank, normalize)
+    val = val_batches(val_x, val_y, d.device, d.world, d.rank, normalize,
+                      resident=kind == "device")
 
     return Pipeline(train, val, kind, reason, meta["num_classes"], channels, len(train_y))
 
@@ -74,8 +74,8 @@ def _user_dataset(cfg, d, meta, batch_size, trace) -> Pipeline:
     train = factory.FactoryBatches(train_ds, batch_size, d.device, d.world, d.rank, cfg.seed,
                                    cfg.data, trace)
 
-    def val():
-        return factory.val_batches(val_ds, 2 * batch_size, d.device, d.world, d.rank, cfg.data)
+    def val(val_batch: int):
+        return factory.val_batches(val_ds, val_batch, d.device, d.world, d.rank, cfg.data)
 
     return Pipeline(train, val, "dataloader", f"data.source python ({cfg.data.factory})",
                     info["num_classes"] or meta.get("num_classes"), info["in_channels"],

@@ -1,0 +1,43 @@
+"""Validation at the largest batch that fits: it keeps no activations for a backward pass,
+so it starts at VAL_BATCH_FACTOR x the training batch per rank; a rank that runs out of GPU
+memory says so to the others (one small collective per validation) and all of them start
+the validation again at half the batch, down to the training batch (which fits)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import distributed
+from .models import forward
+from .tasks import MetricSums
+
+VAL_BATCH_FACTOR = 4
+
+
+def val_metrics(t, net) -> dict[str, float]:
+    """The task's metrics over the validation split of trainer `t`, summed on each rank and
+    all-reduced (sync points); `t.val_batch` (per rank) is halved for good after an OOM."""
+    d = t.d
+    while True:
+        sums = _sums(t, net)
+        # sync point: one rank out of memory means every rank starts again, smaller
+        if not any(r[0] for r in distributed.all_gather_floats(d, [float(sums is None)])):
+            return sums.reduce(d)  # one gather of names, one all-reduce: a sync point
+        t.val_batch = max(t.batch_size, t.val_batch // 2)
+        torch.cuda.empty_cache()
+        t.say(f"validation ran out of GPU memory; again at {t.val_batch} per rank")
+
+
+def _sums(t, net) -> MetricSums | None:
+    """This rank's metric sums, or None when its GPU ran out of memory (and the batch can
+    still shrink)."""
+    sums = MetricSums(t.task, t.cfg.task.name, t.d.device)
+    try:
+        with torch.no_grad(), t.autocast:
+            for batch in t.data.val(t.val_batch):
+                sums.add(forward(net, batch[0]), batch)
+    except torch.cuda.OutOfMemoryError:
+        if t.val_batch <= t.batch_size:
+            raise
+        return None
+    return sums
