@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -89,6 +90,19 @@ def test_stage_hash_ignores_later_stages():
     other = {"stages": [{"name": "a"}, {"name": "b", "lr": 0.1}]}
     assert from_dict(two).stage_hash("a") == from_dict(other).stage_hash("a")
     assert from_dict(two).stage_hash("b") != from_dict(other).stage_hash("b")
+
+
+def test_stage_hash_ignores_how_often_checkpoints_are_saved():
+    """Checkpoint cadence and the background writer change when state is saved, not what is
+    computed: a preempted stage resumes after they changed. Validation cadence does count."""
+    base = tiny_config(Path("/unused"))
+    saved = copy.deepcopy(base)
+    saved["checkpoint"] = {"every_steps": 0, "every_epochs": 0, "background": False,
+                           "keep_last": 1}
+    assert from_dict(base).stage_hash("s1") == from_dict(saved).stage_hash("s1")
+    val = copy.deepcopy(base)
+    val["stages"][0]["validate_every_epochs"] = 2
+    assert from_dict(base).stage_hash("s1") != from_dict(val).stage_hash("s1")
 
 
 @pytest.mark.parametrize("mutate, needles", [

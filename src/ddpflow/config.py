@@ -213,9 +213,10 @@ class Config:
         """Hash of what one stage's result depends on: everything but the other stages."""
         d = self.to_dict()
         d["stages"] = d["stages"][: self.stage_index(name) + 1]
-        # how often we look, and where results live: not what is computed (a moved or
-        # renamed results folder stays valid)
-        for key in ("log_every_steps", "stop_check_s", "results_dir", "run"):
+        # how often we look and save, and where results live: not what is computed (a moved
+        # or renamed results folder stays valid; a preempted stage resumes after its
+        # checkpoint settings changed)
+        for key in ("log_every_steps", "stop_check_s", "checkpoint", "results_dir", "run"):
             d.pop(key, None)
         return config_hash(d)
 

@@ -72,7 +72,7 @@ def config_upto(stage):
     keep = {
         k: v
         for k, v in config.items()
-        if k not in ("stages", "slurm", "log_every_steps", "stop_check_s")
+        if k not in ("stages", "slurm", "log_every_steps", "stop_check_s", "checkpoint")
     }
     return {**keep, "stages": config["stages"][: i + 1]}
 
