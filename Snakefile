@@ -26,9 +26,10 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/tune.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/collect.smk"
+include: "workflow/rules/sweep.smk"
 
 
 rule all:
     default_target: True
     input:
-        rules.collect.output,
+        rules.sweep_leaderboard.output if SWEEP else rules.collect.output,

@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", required=True)
     p.add_argument("--memory-cap-mb", default=None)
 
+    p = sub.add_parser("sweep", help="a sweep's trials: plan them, or collect the leaderboard")
+    p.add_argument("action", choices=["plan", "collect", "list"],
+                   help="plan: check every trial and write its config; collect: leaderboard; "
+                        "list: print the trials")
+    _config_args(p)
+    p.add_argument("--logs", default=None, help="collect: folder of the trials' workflow logs "
+                   "(default logs/<run>/trials), where a failed trial's reason is read")
+
     p = sub.add_parser("doctor", help="what this machine offers for training, and advice")
     _config_args(p)
 
@@ -135,13 +143,17 @@ def _launch(cfg, args) -> int:
 
     from .container import IN_CONTAINER
     from .procs import WarmAgent
+    from .slots import hold
     from .wallclock import launch_t0
 
     t0 = launch_t0()
     cfg.stage(args.stage)  # an unknown stage fails before anything runs
     local = cfg.container.engine == "none" or os.environ.get(IN_CONTAINER)
     warm = local and not args.dry_run and cfg.hardware.nodes == 1
-    with WarmAgent() if warm else nullcontext() as agent:
+    # a shared node: take a slot (GPUs/cores) first, so the agent and ranks inherit it
+    pooled = local and not args.dry_run and not os.environ.get(IN_CONTAINER)
+    with (hold(cfg, cfg.stage_dir(args.stage) / "slot.json", f"{cfg.run}/{args.stage}")
+          if pooled else nullcontext()), WarmAgent() if warm else nullcontext() as agent:
         from .launch import launch
 
         extra = ([f"--halt-after-steps={args.halt_after_steps}"]
@@ -172,8 +184,14 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "tune":
         from .launch import tune
+        from .slots import hold
 
-        return tune(cfg, args.stage, args.memory_cap_mb)
+        with hold(cfg, cfg.run_dir / "tune" / "slot.json", f"{cfg.run}/tune"):
+            return tune(cfg, args.stage, args.memory_cap_mb)
+    if args.command == "sweep":
+        from . import sweep
+
+        return sweep.command(cfg, args)
     if args.command == "validate":
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         print(f"# config hash {cfg.hash}", file=sys.stderr)

@@ -42,6 +42,7 @@ class DataCfg:
     code_dir: str | None  # folder of the factory's module (null = model.code_dir)
     materialize: bool  # source python: prepare copies fixed-size images into arrays
     path: str | None
+    prepared_dir: str | None  # folder of the prepared data (None = <run>/data)
     image_size: int  # pixels (square)
     num_classes: int  # synthetic only; real sources report their own
     train_size: int | None  # samples (synthetic: generated; real: optional cap)
@@ -79,6 +80,13 @@ class TaskCfg:
 
 
 @dataclass(frozen=True)
+class SlotsCfg:
+    pool: str | None  # folder of slot locks shared by concurrent runs (None = whole node)
+    gpus: int  # GPUs per slot
+    threads: int  # CPU cores per slot on a CPU-only node
+
+
+@dataclass(frozen=True)
 class HardwareCfg:
     device: str  # auto | cuda | cpu
     nproc_per_node: int | str  # ranks on this node ("auto" = visible GPUs, 1 on CPU)
@@ -87,6 +95,7 @@ class HardwareCfg:
     nodes: int
     max_restarts: int  # torchrun restarts of the whole group after a rank dies
     timeout_s: int  # seconds a collective may hang before the job fails
+    slots: SlotsCfg
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,20 @@ class SlurmCfg:
 
 
 @dataclass(frozen=True)
+class SweepCfg:
+    grid: dict  # dotted key -> list of values (cartesian product)
+    variants: tuple  # [{name, set: {dotted key: value}}]
+    random: dict | None  # {samples, seed, space}
+    gpus_per_trial: int
+    threads_per_trial: int  # CPU cores per trial on a CPU-only node
+    max_trials: int
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.grid or self.variants or self.random)
+
+
+@dataclass(frozen=True)
 class StageCfg:
     name: str
     epochs: int
@@ -174,6 +197,7 @@ class Config:
     container: ContainerCfg
     tune: TuneCfg
     slurm: SlurmCfg
+    sweep: SweepCfg
     stages: tuple[StageCfg, ...] = field(default_factory=tuple)
 
     # ---- derived places
@@ -183,7 +207,7 @@ class Config:
 
     @property
     def data_dir(self) -> Path:
-        return self.run_dir / "data"
+        return Path(self.data.prepared_dir) if self.data.prepared_dir else self.run_dir / "data"
 
     def stage_dir(self, name: str) -> Path:
         return self.run_dir / "stages" / name
@@ -216,8 +240,11 @@ class Config:
         # how often we look and save, and where results live: not what is computed (a moved
         # or renamed results folder stays valid; a preempted stage resumes after its
         # checkpoint settings changed)
-        for key in ("log_every_steps", "stop_check_s", "checkpoint", "results_dir", "run"):
+        for key in ("log_every_steps", "stop_check_s", "checkpoint", "results_dir", "run",
+                    "sweep"):
             d.pop(key, None)
+        d["hardware"].pop("slots", None)  # which GPUs/cores of the node, and where the data
+        d["data"].pop("prepared_dir", None)  # lives: not what is computed
         return config_hash(d)
 
 
@@ -326,6 +353,9 @@ def _build(d: dict[str, Any]) -> Config:
     data["augment"] = Augment(**data["augment"])
     hw = dict(d["hardware"])
     hw["devices"] = tuple(hw["devices"]) if hw["devices"] is not None else None
+    hw["slots"] = SlotsCfg(**hw["slots"])
+    sweep = {**d["sweep"], "variants": tuple(d["sweep"]["variants"]),
+             "random": d["sweep"].get("random")}
     model = {**d["model"], "freeze": tuple(d["model"]["freeze"])}
     stages = [{**s, "freeze": None if s["freeze"] is None else tuple(s["freeze"])}
               for s in d["stages"]]
@@ -336,7 +366,7 @@ def _build(d: dict[str, Any]) -> Config:
         data=DataCfg(**data), model=ModelCfg(**model), task=TaskCfg(**d["task"]),
         hardware=HardwareCfg(**hw),
         checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
-        tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]),
+        tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]), sweep=SweepCfg(**sweep),
         stages=tuple(StageCfg(**s) for s in stages),
     )
 
@@ -355,29 +385,34 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), parsed
 
 
+def set_key(d: dict[str, Any], parts: list[str], value: Any, label: str = "--set") -> None:
+    """d[parts[0]][parts[1]]... = value; list parts are indices, missing mappings are made."""
+    node: Any = d
+    for i, p in enumerate(parts):
+        last = i == len(parts) - 1
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not p.isdigit() or int(p) >= len(node):
+                raise UserError(f"{label} {'.'.join(parts)}: '{p}' is not an index of "
+                                f"{'.'.join(parts[:i]) or 'the list'} (0..{len(node) - 1})")
+            if last:
+                node[int(p)] = value
+            else:
+                node = node[int(p)]
+        elif isinstance(node, dict):
+            if last:
+                node[p] = value
+            else:
+                node = node.setdefault(p, {})
+        else:
+            raise UserError(f"{label} {'.'.join(parts)}: {where} is not a mapping or list")
+
+
 def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     d = copy.deepcopy(d)
     for text in overrides or []:
         parts, value = parse_override(text)
-        node: Any = d
-        for i, p in enumerate(parts):
-            last = i == len(parts) - 1
-            where = ".".join(parts[: i + 1])
-            if isinstance(node, list):
-                if not p.isdigit() or int(p) >= len(node):
-                    raise UserError(f"--set {'.'.join(parts)}: '{p}' is not an index of "
-                                    f"{'.'.join(parts[:i]) or 'the list'} (0..{len(node) - 1})")
-                if last:
-                    node[int(p)] = value
-                else:
-                    node = node[int(p)]
-            elif isinstance(node, dict):
-                if last:
-                    node[p] = value
-                else:
-                    node = node.setdefault(p, {})
-            else:
-                raise UserError(f"--set {'.'.join(parts)}: {where} is not a mapping or list")
+        set_key(d, parts, value)
     return d
 
 

@@ -48,7 +48,8 @@ def setup(hw: HardwareCfg, process_group: bool = True) -> Dist:
                             f"lower hardware.nproc_per_node")
         torch.cuda.set_device(local_rank)  # one rank per GPU: LOCAL_RANK -> cuda:LOCAL_RANK
         device = torch.device("cuda", local_rank)
-    threads = int(os.environ.get("DDPFLOW_THREADS", 0)) or max(1, (os.cpu_count() or 1) // world)
+    cores = len(os.sched_getaffinity(0))  # a slot of a shared node narrows these
+    threads = int(os.environ.get("DDPFLOW_THREADS", 0)) or max(1, cores // world)
     torch.set_num_threads(threads)
     backend = None
     if process_group and "RANK" in os.environ:

@@ -73,7 +73,7 @@ def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
         if device == "cuda" and n > n_gpu:
             raise UserError(f"hardware.nproc_per_node is {n} but only {n_gpu} GPU(s) are "
                             f"visible; one rank per GPU, so use at most {n_gpu} (or auto)")
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))  # a slot (slots.py) narrows the usable cores
     threads = (max(1, cores // n) if hw.threads_per_rank == "auto" else int(hw.threads_per_rank))
     env.update(OMP_NUM_THREADS=str(threads), DDPFLOW_THREADS=str(threads),
                PYTHONUNBUFFERED="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",

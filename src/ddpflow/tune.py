@@ -287,7 +287,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         batch_rows.append({"batch_size": b, **r})
     batch = max(batch_rows, key=lambda r: r["samples_per_s"])["batch_size"]
 
-    cores = max(1, (os.cpu_count() or 1) // d.world)
+    cores = max(1, len(os.sched_getaffinity(0)) // d.world)
     loader_opts = [("device", 0, 2)] + [("dataloader", w, p) for w in sorted({0, 2, cores})
                                         for p in ((2, 4) if w else (2,))]
     loader_rows = []

@@ -67,6 +67,14 @@ def _expanded_size(node, sizes: dict, active: set) -> int:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    if str(path) == "-":  # the workflow hands a config over without writing it first
+        import sys
+
+        try:
+            raw = json.loads(sys.stdin.read())
+        except ValueError as e:
+            raise UserError(f"--config -: standard input is not a JSON config ({e})") from None
+        return raw if raw is not None else {}
     p = Path(path)
     if p.is_dir():
         raise UserError(f"--config {p} is a directory; pass a YAML file, e.g. "

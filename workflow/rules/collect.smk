@@ -46,6 +46,6 @@ rule collect:
 
 
 onsuccess:
-    headline = Path(f"{RESULTS}/summary/headline.txt")
+    headline = Path(f"{RESULTS}/{'sweep' if SWEEP else 'summary'}/headline.txt")
     if headline.is_file():
         print(headline.read_text())

@@ -3,6 +3,9 @@
 import json
 import hashlib
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 RUN = config["run"]
@@ -23,6 +26,28 @@ def workflow_config():
     return str(path)
 
 
+def sweep_plan():
+    """A sweep's trials (`ddpflow sweep plan`): every trial is checked before any job runs,
+    and a bad one stops the workflow here, before anything is written."""
+    sw = config.get("sweep") or {}
+    if not (sw.get("grid") or sw.get("variants") or sw.get("random")):
+        return None
+    ddpflow = [shutil.which("ddpflow")] if shutil.which("ddpflow") else []
+    ddpflow = ddpflow or [sys.executable, "-m", "ddpflow"]
+    r = subprocess.run(
+        [*ddpflow, "sweep", "plan", "--config", "-"],
+        input=json.dumps(config),
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode:
+        sys.exit(r.stderr.strip() or f"ddpflow sweep plan failed ({r.returncode})")
+    print(r.stderr.strip(), file=sys.stderr)
+    return json.loads((Path(RESULTS) / "sweep" / "plan.json").read_text())
+
+
+PLAN = sweep_plan()
+SWEEP = PLAN is not None
 WCFG = workflow_config()
 
 
@@ -58,43 +83,59 @@ def user_code_version(folder):
     return files_version(files, root)
 
 
-def data_user_code():
+def data_user_code(cfg=config):
     """The dataset factory's code folder (data.code_dir, else model.code_dir)."""
-    d = config["data"]
+    d = cfg["data"]
     if d["source"] != "python":
         return ""
-    return user_code_version(d["code_dir"] or config["model"]["code_dir"])
+    return user_code_version(d["code_dir"] or cfg["model"]["code_dir"])
 
 
-def config_upto(stage):
+def config_upto(stage, cfg=config):
     """What a stage's result depends on: everything but the stages after it."""
-    i = STAGES.index(stage)
+    i = [s["name"] for s in cfg["stages"]].index(stage)
     keep = {
         k: v
-        for k, v in config.items()
-        if k not in ("stages", "slurm", "log_every_steps", "stop_check_s", "checkpoint")
+        for k, v in cfg.items()
+        if k
+        not in (
+            "stages",
+            "slurm",
+            "log_every_steps",
+            "stop_check_s",
+            "checkpoint",
+            "sweep",
+        )
     }
-    return {**keep, "stages": config["stages"][: i + 1]}
+    return {**keep, "stages": cfg["stages"][: i + 1]}
 
 
 def stage_inputs(wildcards):
-    i = STAGES.index(wildcards.stage)
-    init = config["stages"][i]["init_from"]
-    inputs = {"data": f"{RESULTS}/data/meta.json", "image": f"{RESULTS}/image.json"}
-    if config["tune"]["enabled"]:
-        inputs["tune"] = f"{RESULTS}/tune.json"
+    return inputs_of_stage(
+        config, wildcards.stage, RESULTS, f"{RESULTS}/data/meta.json"
+    )
+
+
+def inputs_of_stage(cfg, stage, results, data_meta):
+    """A stage's input files: prepared data, image record, tuning, the weights it starts from."""
+    names = [s["name"] for s in cfg["stages"]]
+    i = names.index(stage)
+    init = cfg["stages"][i]["init_from"]
+    inputs = {"data": data_meta, "image": f"{results}/image.json"}
+    if cfg["tune"]["enabled"]:
+        inputs["tune"] = f"{results}/tune.json"
     if init == "previous":
-        inputs["init"] = f"{RESULTS}/stages/{STAGES[i - 1]}/final.pt"
+        inputs["init"] = f"{results}/stages/{names[i - 1]}/final.pt"
     elif init:
         inputs["init"] = init
-    elif config["model"]["weights"] and Path(config["model"]["weights"]).is_file():
-        inputs["init"] = config["model"]["weights"]  # pretrained weights (a file)
+    elif cfg["model"]["weights"] and Path(cfg["model"]["weights"]).is_file():
+        inputs["init"] = cfg["model"]["weights"]  # pretrained weights (a file)
     return inputs
 
 
-def slurm_resources():
+def slurm_resources(cfg=config):
     """Resources the Slurm executor turns into sbatch options (ignored by --cores)."""
-    s = config["slurm"]
+    s = cfg["slurm"]
     extra = f"--signal=USR1@{s['signal_before_end_s']} {s['extra']}".strip()
     res = {
         "mem_mb": s["mem_mb"],
@@ -107,8 +148,8 @@ def slurm_resources():
             res["gpu_model"] = s["gpu_model"]
     else:
         res["cpus_per_task"] = s["cpus"]
-    if config["hardware"]["nodes"] > 1:  # one torchrun per node, started by srun
-        res.update(nodes=config["hardware"]["nodes"], tasks=config["hardware"]["nodes"])
+    if cfg["hardware"]["nodes"] > 1:  # one torchrun per node, started by srun
+        res.update(nodes=cfg["hardware"]["nodes"], tasks=cfg["hardware"]["nodes"])
     for key in ("partition", "account"):
         if s[key]:
             res[f"slurm_{key}"] = s[key]
@@ -135,15 +176,15 @@ LOADER_KEYS = (
 )
 
 
-def data_inputs():
-    path = config["data"]["path"]
+def data_inputs(cfg=config):
+    path = cfg["data"]["path"]
     return [path] if path and Path(path).is_file() else []
 
 
-def data_listing():
+def data_listing(cfg=config):
     """Names, sizes and modification times of a data folder's files: an image added,
     removed or replaced reruns the preparation (a folder's own mtime misses those)."""
-    path = config["data"]["path"]
+    path = cfg["data"]["path"]
     if not path or not Path(path).is_dir():
         return ""
     h = hashlib.sha256()
@@ -152,3 +193,23 @@ def data_listing():
             st = f.stat()
             h.update(f"{f.relative_to(path)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
+
+
+# --- sweeps (rules in sweep.smk): trial id -> plan entry and config
+TRIALS = {t["id"]: t for t in PLAN["trials"]} if SWEEP else {}
+TCFG = {i: json.loads(Path(t["config"]).read_text()) for i, t in TRIALS.items()}
+
+
+def trial_stage_inputs(wildcards):
+    t = TRIALS[wildcards.trial]
+    return inputs_of_stage(
+        TCFG[wildcards.trial],
+        wildcards.stage,
+        f"{RESULTS}/trials/{wildcards.trial}",
+        f"{t['prepared_dir']}/meta.json",
+    )
+
+
+def trial_summaries(wildcards):
+    t = TRIALS[wildcards.trial]
+    return [f"{RESULTS}/trials/{t['id']}/stages/{s}/summary.json" for s in t["stages"]]

@@ -1,0 +1,123 @@
+# Sweeps (sweep.grid, sweep.variants, sweep.random): every trial is a whole run under
+# results/<run>/trials/<id>/ with its own config (written by `ddpflow sweep plan`, see
+# common.smk). Trials with equal data settings share one prepared dataset; trials run side
+# by side, each in its own slot of the node (`ddpflow launch` picks the GPUs or cores:
+# Snakemake only counts them). After all trials, one leaderboard.
+
+if SWEEP:
+    DATASETS = {Path(t["prepared_dir"]).name: t for t in reversed(PLAN["trials"])}
+    TRIAL_PATTERN = "|".join(re.escape(i) for i in TRIALS)
+    TRIAL_STAGES = "|".join(
+        sorted({re.escape(s) for t in PLAN["trials"] for s in t["stages"]})
+    )
+    FIRST = TCFG[PLAN["trials"][0]["id"]]  # Slurm resources: the same for every trial
+
+    onstart:
+        # one failed trial does not stop the others: `--keep-going` for sweeps (the Slurm
+        # profile sets it; Snakemake has no public way for a Snakefile to, so this sets the
+        # scheduler's flag where Snakemake 9 keeps it). The leaderboard lists failed trials
+        # with their reason (onerror below).
+        if hasattr(getattr(workflow, "scheduler", None), "keepgoing"):
+            workflow.scheduler.keepgoing = True
+
+    rule sweep_prepare_data:
+        input:
+            lambda w: data_inputs(TCFG[DATASETS[w.dataset]["id"]]),
+        output:
+            f"{RESULTS}/sweep/data/{{dataset}}/meta.json",
+        log:
+            f"{LOGS}/sweep/prepare_data_{{dataset}}.log",
+        wildcard_constraints:
+            dataset="[0-9a-f]+",
+        conda:
+            "../envs/ddpflow.yaml"
+        params:
+            cfg=lambda w: DATASETS[w.dataset]["config"],
+            files=lambda w: data_listing(TCFG[DATASETS[w.dataset]["id"]]),
+            code=code_version("data"),
+            user_code=lambda w: data_user_code(TCFG[DATASETS[w.dataset]["id"]]),
+        shell:
+            "ddpflow prepare --config {params.cfg:q} > {log:q} 2>&1"
+
+    localrules:
+        sweep_image,
+
+    rule sweep_image:
+        input:
+            f"{RESULTS}/image.json",
+        output:
+            f"{RESULTS}/trials/{{trial}}/image.json",
+        wildcard_constraints:
+            trial=TRIAL_PATTERN,
+        shell:
+            "cp {input:q} {output:q}"
+
+    rule sweep_train:
+        input:
+            unpack(trial_stage_inputs),
+        output:
+            final=f"{RESULTS}/trials/{{trial}}/stages/{{stage}}/final.pt",
+            summary=f"{RESULTS}/trials/{{trial}}/stages/{{stage}}/summary.json",
+        log:
+            f"{LOGS}/trials/{{trial}}/train_{{stage}}.log",
+        wildcard_constraints:
+            trial=TRIAL_PATTERN,
+            stage=TRIAL_STAGES,
+        conda:
+            "../envs/ddpflow.yaml"
+        threads: config["sweep"]["threads_per_trial"]
+        resources:
+            **slurm_resources(FIRST),
+        params:
+            cfg=lambda w: TRIALS[w.trial]["config"],
+            settings=lambda w: config_upto(w.stage, TCFG[w.trial]),
+            code=code_version(),
+            user_code=lambda w: user_code_version(TCFG[w.trial]["model"]["code_dir"]),
+            data_code=lambda w: data_user_code(TCFG[w.trial]),
+        shell:
+            "ddpflow launch --config {params.cfg:q} --stage {wildcards.stage:q} > {log:q} 2>&1"
+
+    rule sweep_collect_trial:
+        input:
+            trial_summaries,
+            image=f"{RESULTS}/trials/{{trial}}/image.json",
+        output:
+            f"{RESULTS}/trials/{{trial}}/summary/summary.json",
+        log:
+            f"{LOGS}/trials/{{trial}}/collect.log",
+        wildcard_constraints:
+            trial=TRIAL_PATTERN,
+        conda:
+            "../envs/ddpflow.yaml"
+        params:
+            cfg=lambda w: TRIALS[w.trial]["config"],
+        shell:
+            "ddpflow collect --config {params.cfg:q} > {log:q} 2>&1"
+
+    rule sweep_leaderboard:
+        input:
+            expand(f"{RESULTS}/trials/{{trial}}/summary/summary.json", trial=TRIALS),
+            plan=f"{RESULTS}/sweep/plan.json",
+        output:
+            csv=report(
+                f"{RESULTS}/sweep/leaderboard.csv",
+                caption="../report/leaderboard.rst",
+                category="Sweep",
+            ),
+            json=f"{RESULTS}/sweep/leaderboard.json",
+            html=f"{RESULTS}/sweep/report.html",
+            headline=f"{RESULTS}/sweep/headline.txt",
+        log:
+            f"{LOGS}/sweep/leaderboard.log",
+        conda:
+            "../envs/ddpflow.yaml"
+        params:
+            cfg=WCFG,
+            logs=f"{LOGS}/trials",
+        shell:
+            "ddpflow sweep collect --config {params.cfg:q} --logs {params.logs:q} > {log:q} 2>&1"
+
+    onerror:
+        # failed trials are rows with their reason, not holes: the leaderboard is written
+        # from whatever finished
+        shell(f"ddpflow sweep collect --config {WCFG} --logs {LOGS}/trials || true")
