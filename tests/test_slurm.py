@@ -119,3 +119,28 @@ def test_missing_slurm_account_is_a_clear_error(tmp_path):
     out = proc.stdout + proc.stderr
     assert "no-such-account appears to be invalid" in out, out[-3000:]
     assert not (tmp_path / "results/wf/stages/a/final.pt").exists()
+
+
+def test_sweep_on_slurm_one_job_and_one_gpu_per_trial(tmp_path):
+    cfg = {**TINY, "hardware": {"nproc_per_node": 1, "threads_per_rank": 1},
+           "stages": [{"name": "a", "epochs": 2, "batch_size": 32, "lr": 0.1}],
+           "slurm": {"gpus": 2, "cpus_per_gpu": 1, "mem_mb": 1000, "runtime_min": 10},
+           "sweep": {"grid": {"stages.0.lr": [0.05, 0.1]}, "gpus_per_trial": 1}}
+    write(tmp_path, cfg)
+    proc = slurm_snakemake(tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    board = json.loads((tmp_path / "results/wf/sweep/leaderboard.json").read_text())
+    assert len(board["trials"]) == 2 and all(r["status"] == "finished" for r in board["trials"])
+    seen, jobs = [], set()
+    for trial in board["trials"]:
+        s = json.loads((tmp_path / f"results/wf/trials/{trial['trial']}/stages/a/summary.json")
+                       .read_text())
+        env = s["environment"]
+        jobs.add(env["slurm_job_id"])
+        (state, tres), = sacct(env["slurm_job_id"])
+        assert state == "COMPLETED" and "gres/gpu=1" in tres, tres  # gpus_per_trial, not 2
+        seen.append(env["cuda_visible_devices"])
+    assert len(jobs) == 2, "each trial is its own Slurm job"
+    assert all(len(g.split(",")) == 1 for g in seen), seen
+    # the two jobs ran side by side on the node's two GPUs: one each
+    assert sorted(seen) == ["0", "1"], seen

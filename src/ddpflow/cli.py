@@ -177,6 +177,11 @@ def run(argv: list[str] | None = None) -> int:
         return _rank(args)
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.sweep.enabled and args.command in ("launch", "run", "tune"):
+        print(f"ddpflow: note: this config has a sweep; `ddpflow {args.command}` runs the base "
+              f"config without it (run the trials with snakemake; `ddpflow sweep list` names "
+              f"them, each trial's config is results/<run>/trials/<id>/trial_config.json)",
+              file=sys.stderr)
     if args.command == "doctor":
         from .doctor import report
 

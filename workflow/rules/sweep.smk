@@ -49,8 +49,36 @@ if SWEEP:
             f"{RESULTS}/trials/{{trial}}/image.json",
         wildcard_constraints:
             trial=TRIAL_PATTERN,
+        priority: 10  # right before its trial's training, not after other trials' collects
         shell:
             "cp {input:q} {output:q}"
+
+    rule sweep_tune:
+        input:
+            data=lambda w: f"{TRIALS[w.trial]['prepared_dir']}/meta.json",
+            image=f"{RESULTS}/trials/{{trial}}/image.json",
+        output:
+            f"{RESULTS}/trials/{{trial}}/tune.json",
+        log:
+            f"{LOGS}/trials/{{trial}}/tune.log",
+        wildcard_constraints:
+            trial=TRIAL_PATTERN,
+        priority: 10
+        conda:
+            "../envs/ddpflow.yaml"
+        threads: config["sweep"]["threads_per_trial"]
+        resources:
+            **slurm_resources(FIRST),
+        params:
+            cfg=lambda w: TRIALS[w.trial]["config"],
+            settings=lambda w: config_upto(
+                TCFG[w.trial]["tune"]["stage"] or TRIALS[w.trial]["stages"][0],
+                TCFG[w.trial],
+            ),
+            tune=lambda w: TCFG[w.trial]["tune"],
+            code=code_version(),
+        shell:
+            "ddpflow tune --config {params.cfg:q} > {log:q} 2>&1"
 
     rule sweep_train:
         input:
@@ -63,6 +91,9 @@ if SWEEP:
         wildcard_constraints:
             trial=TRIAL_PATTERN,
             stage=TRIAL_STAGES,
+        # a freed slot goes to the next trial before any per-trial collect: no idle GPU
+        # while trials wait
+        priority: 10
         conda:
             "../envs/ddpflow.yaml"
         threads: config["sweep"]["threads_per_trial"]
