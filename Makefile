@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) bench/input_pipeline.py
 	$(PY) bench/prepare_imagefolder.py
 	$(PY) bench/optimizer_step.py
+	$(PY) bench/sweep_pool.py
 	$(PY) bench/user_dataset.py
 	$(PY) bench/trainer_vs_reference.py
 	$(PY) bench/vs_lightning.py
