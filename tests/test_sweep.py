@@ -198,6 +198,12 @@ def test_sweep_through_the_workflow(tmp_path):
                      "stages": [{**SWEEP_BASE["stages"][0], "epochs": 2}],
                      "sweep": {"grid": grid}})
     assert planned(snakemake(tmp_path, "-n")).get("sweep_train") == 4
+    # tuning in a sweep: each trial tunes for itself, in its slot, before its stages
+    write(tmp_path, {**SWEEP_BASE, "tune": {"enabled": True},
+                     "stages": [{**SWEEP_BASE["stages"][0], "batch_size": "auto"}],
+                     "sweep": {"grid": {"stages.0.lr": [0.05, 0.2]}}})
+    jobs = planned(snakemake(tmp_path, "-n"))
+    assert jobs.get("sweep_tune") == 2 and jobs.get("sweep_train") == 2
 
     # one more value for each key: only the five new trials run; three cannot (a batch
     # larger than the training split) and are rows with their reason; the others finish

@@ -150,8 +150,9 @@ def _launch(cfg, args) -> int:
     cfg.stage(args.stage)  # an unknown stage fails before anything runs
     local = cfg.container.engine == "none" or os.environ.get(IN_CONTAINER)
     warm = local and not args.dry_run and cfg.hardware.nodes == 1
-    # a shared node: take a slot (GPUs/cores) first, so the agent and ranks inherit it
-    pooled = local and not args.dry_run and not os.environ.get(IN_CONTAINER)
+    # a shared node: take a slot (GPUs/cores) first, so the agent and ranks inherit it (a
+    # container gets the slot's GPUs from CUDA_VISIBLE_DEVICES, see container.py)
+    pooled = not args.dry_run and not os.environ.get(IN_CONTAINER)
     with (hold(cfg, cfg.stage_dir(args.stage) / "slot.json", f"{cfg.run}/{args.stage}")
           if pooled else nullcontext()), WarmAgent() if warm else nullcontext() as agent:
         from .launch import launch

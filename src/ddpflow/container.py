@@ -157,6 +157,12 @@ def _gpu_ids() -> list[str] | None:
     return outer.split(",") if outer else [str(i) for i in range(n)]
 
 
+def _cpuset() -> str | None:
+    """This launcher's cores when a slot narrowed them (slots.py), for the container too."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, cores)) if len(cores) < (os.cpu_count() or 0) else None
+
+
 def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str],
               t0: float | None = None) -> int:
     """Run `ddpflow launch` for one stage inside the image; returns its exit code. t0: when
@@ -193,7 +199,7 @@ def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str],
                      **t0_env},
         volumes={str(m): {"bind": str(m), "mode": "rw"} for m in mounts},
         shm_size=cfg.container.shm_size, device_requests=requests, init=True,
-        network_mode="host")
+        network_mode="host", cpuset_cpus=_cpuset())
 
     def forward(signum, _frame):  # preemption reaches the ranks inside
         container.kill(signal="SIGTERM")
