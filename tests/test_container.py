@@ -47,10 +47,15 @@ def test_build_and_train_one_stage_in_the_container(tmp_path):
     (tmp_path / "results/t").mkdir(parents=True)
     (tmp_path / "results/t/image.json").write_text(out.read_text())
     ddpflow("prepare", "--config", p, check=True)
-    proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    # as a sweep trial: the launcher outside takes a slot of one core and the container
+    # gets only that core
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", "--set",
+                   f"hardware.slots.pool={tmp_path / 'pool'}", check=True)
     assert "runs in the docker image" in proc.stderr and "2 rank(s) on cpu" in proc.stderr
     s = json.loads((tmp_path / "results/t/stages/s1/summary.json").read_text())
     assert s["container"] == f"docker:{rec['image_id']}"
+    slot = json.loads((tmp_path / "results/t/stages/s1/slot.json").read_text())
+    assert s["environment"]["cpu_affinity"] == slot["cores"] and len(slot["cores"]) == 1
     assert s["world_size"] == 2 and s["steps"] == 6
     # files written in the container belong to the calling user
     assert (tmp_path / "results/t/stages/s1/final.pt").stat().st_uid == os.getuid()

@@ -118,6 +118,7 @@ def environment(device: torch.device) -> dict:
 
     env = {"ddpflow": __version__, "python": platform.python_version(), "torch": torch.__version__,
            "host": socket.gethostname(), "cpu_count": os.cpu_count(), "cuda": torch.version.cuda,
+           "cpu_affinity": sorted(os.sched_getaffinity(0)),  # the cores this rank may use
            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
            "nccl": None, "gpus": [], "driver": None,
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
