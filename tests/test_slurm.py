@@ -61,7 +61,19 @@ def test_workflow_on_slurm_with_fake_gpus(tmp_path):
         assert s["world_size"] == 2 and s["device"] == "cpu"  # no CUDA here: trains on CPU
         (state, tres), = sacct(env["slurm_job_id"])
         assert state == "COMPLETED" and "gres/gpu=2" in tres, tres
+        steps = subprocess.run(["sacct", "-n", "-P", "-j", env["slurm_job_id"], "-o",
+                                "JobID,NTasks"], capture_output=True, text=True).stdout
+        tasks = [line.split("|") for line in steps.split() if line.split("|")[1]]
+        assert tasks and all(n == "1" for _, n in tasks), steps  # ONE task with both GPUs
     assert (tmp_path / "results/wf/summary/report.html").is_file()
+
+    # a job that gets other GPUs than the stage asks for stops with both counts named
+    proc = slurm_snakemake(tmp_path, "--forcerun", "train", "--set-resources", "train:gpu=1",
+                           "--retries", "0")
+    assert proc.returncode != 0
+    log = (tmp_path / "logs/wf/train_a.log").read_text()
+    assert "sees 1 GPU(s)" in log and "slurm.gpus asks for 2" in log, log[-2000:]
+    assert "Traceback" not in log
 
 
 def test_scancel_usr1_mid_training_then_retry(tmp_path):

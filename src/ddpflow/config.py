@@ -141,6 +141,11 @@ class SlurmCfg:
 
 
 @dataclass(frozen=True)
+class TrackingCfg:
+    tensorboard: bool | str  # auto | true | false
+
+
+@dataclass(frozen=True)
 class SweepCfg:
     grid: dict  # dotted key -> list of values (cartesian product)
     variants: tuple  # [{name, set: {dotted key: value}}]
@@ -197,6 +202,7 @@ class Config:
     container: ContainerCfg
     tune: TuneCfg
     slurm: SlurmCfg
+    tracking: TrackingCfg
     sweep: SweepCfg
     stages: tuple[StageCfg, ...] = field(default_factory=tuple)
 
@@ -241,7 +247,7 @@ class Config:
         # or renamed results folder stays valid; a preempted stage resumes after its
         # checkpoint settings changed)
         for key in ("log_every_steps", "stop_check_s", "checkpoint", "results_dir", "run",
-                    "sweep"):
+                    "sweep", "tracking"):
             d.pop(key, None)
         d["hardware"].pop("slots", None)  # which GPUs/cores of the node, and where the data
         d["data"].pop("prepared_dir", None)  # lives: not what is computed
@@ -367,6 +373,7 @@ def _build(d: dict[str, Any]) -> Config:
         hardware=HardwareCfg(**hw),
         checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
         tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]), sweep=SweepCfg(**sweep),
+        tracking=TrackingCfg(**d["tracking"]),
         stages=tuple(StageCfg(**s) for s in stages),
     )
 

@@ -83,6 +83,26 @@ def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
     return n, device, env
 
 
+def check_slurm_gpus(cfg: Config) -> None:
+    """In a Slurm job that asked for GPUs, the GPUs this launcher sees must be the GPUs the
+    stage asked for: fewer means the job was split into one task per GPU (an executor
+    plugin adding --ntasks-per-gpu) or a --set-resources override; training on them would
+    quietly run a different job than the config says."""
+    from .slots import gpu_ids
+
+    want = cfg.slurm.gpus
+    if not os.environ.get("SLURM_JOB_ID") or want == 0 or cfg.hardware.nodes > 1:
+        return
+    seen = gpu_ids()
+    if len(seen) != want:
+        raise UserError(f"this Slurm job sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}, job "
+                        f"{os.environ['SLURM_JOB_ID']}) but slurm.gpus asks for {want}; "
+                        f"request the GPUs as one task (snakemake-executor-plugin-slurm >= "
+                        f"2.7.1, resource tasks_per_gpu=0, as the workflow does) or set "
+                        f"slurm.gpus to what the job gets")
+
+
 def stage_ranks(cfg: Config, stage: str) -> tuple[int, str, dict[str, str]]:
     """resolve_ranks for one stage: DataParallel runs one process that drives every GPU."""
     n, device, env = resolve_ranks(cfg)
@@ -92,8 +112,11 @@ def stage_ranks(cfg: Config, stage: str) -> tuple[int, str, dict[str, str]]:
 def preflight(cfg: Config, stage: str, world: int = 1) -> None:
     """Everything a stage needs that can be checked before any rank starts: a mistake found
     here costs no rank start-up and no torchrun restart."""
+    from .tracking import check as check_tracking
+
     st = cfg.stage(stage)
     i = cfg.stage_index(stage)
+    check_tracking(cfg)
     lazydynamo.defer()  # the launcher never compiles: seconds saved in the meta-model check
     if st.batch_size == "auto":
         from .tune import load_choice
@@ -287,6 +310,7 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
         print(f"ddpflow: stage '{stage}' runs in the {cfg.container.engine} image "
               f"{cfg.container.image}", file=sys.stderr)
     else:
+        check_slurm_gpus(cfg)
         ranks = stage_ranks(cfg, stage)
         n, device, _ = ranks
         cmd, env = plan(cfg, stage, out / "config.json", list(extra_args), ranks=ranks)
@@ -398,6 +422,7 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
     """`ddpflow tune`: one torchrun whose ranks measure together; writes <run>/tune.json."""
     stage = stage or cfg.tune.stage or cfg.stages[0].name
     cfg.stage(stage)
+    check_slurm_gpus(cfg)
     meta = prepared.read_meta(cfg.data_dir)
     if meta is None:
         raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")

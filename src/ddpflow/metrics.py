@@ -11,8 +11,9 @@ class MetricsLog:
     """Append-only JSONL written by rank 0; on resume, records after the checkpoint are dropped
     so that a resumed run's file reads as if it had never stopped."""
 
-    def __init__(self, path: Path, keep_until_step: int | None):
+    def __init__(self, path: Path, keep_until_step: int | None, tracker=None):
         self.path = Path(path)
+        self.tracker = tracker  # also gets every record (tracking.py), or None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if keep_until_step is not None and self.path.exists():
@@ -26,6 +27,8 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         self.f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.record(record)
 
     def close(self) -> None:
         self.f.close()

@@ -39,7 +39,7 @@ def interval_record(t, per_rank: list, dt: float, wait: float, n: int, loss: flo
         "warmup": t.first_interval, "time_s": s.elapsed_s + now - t.t_start}
 
 
-def stage_summary(t) -> None:
+def stage_summary(t) -> dict:
     """summary.json of a finished stage: results, efficiency means, what it ran on, and the
     record of what it was made from."""
     s, d, cfg = t.state, t.d, t.cfg
@@ -49,7 +49,7 @@ def stage_summary(t) -> None:
     last_val = [r for r in records if r["kind"] == "val"][-1]
     final = {k: v for k, v in last_val.items() if k.startswith("val_")}
     best = s.best.get("metrics", {})
-    write_summary(t.out / "summary.json", {
+    summary = {
         "stage": t.st.name, "finished": True, "steps": s.step, "epochs": s.epoch,
         "task": cfg.task.name, "monitor": t.monitor, "monitor_mode": t.mode,
         "final_metrics": final, "best_metrics": best, "best_value": s.best.get("value"),
@@ -86,7 +86,9 @@ def stage_summary(t) -> None:
         "config": cfg.to_dict(), "config_hash": cfg.hash,
         "stage_hash": cfg.stage_hash(t.st.name), "record": t.record,
         "final_sha256": t.final_sha,
-    })
+    }
+    write_summary(t.out / "summary.json", summary)
+    return summary
 
 
 def write_failure(t) -> None:

@@ -35,6 +35,7 @@ from .runtime import StopPoll, build_optimizer, lr_factor, mixed_precision, sche
 from .saver import Saver
 from .stagelog import interval_record, stage_summary, write_failure, write_final
 from .tasks import build_task, check_loss, improves, monitor
+from .tracking import open_tensorboard
 from .tune import stage_settings
 from .userimport import add_code_dirs
 from .validation import VAL_BATCH_FACTOR, val_metrics
@@ -168,8 +169,10 @@ class Trainer:
             checkpoint.remove_partial(self.ckpt_dir)  # temp files of a killed write
             if not found:
                 checkpoint.set_aside(self.ckpt_dir)  # never mix with a stale run's checkpoints
-        self.log = (MetricsLog(self.out / "metrics.jsonl", keep_until_step=self.state.step)
-                    if d.is_master else None)
+        self.tb = (open_tensorboard(self.cfg, self.st.name, self.state.step)
+                   if d.is_master else None)
+        self.log = (MetricsLog(self.out / "metrics.jsonl", keep_until_step=self.state.step,
+                               tracker=self.tb) if d.is_master else None)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -399,8 +402,12 @@ class Trainer:
             write_failure(self)
             self.say(f"stopped: {self.diverged}")
         elif not self.halted:
-            stage_summary(self)
+            summary = stage_summary(self)
+            if self.tb:
+                self.tb.stage_end(self.cfg.to_dict(), summary["final_metrics"])
             self.say(f"done: {self.out / 'summary.json'}")
+        if self.tb:
+            self.tb.close()  # the event files are complete when the stage ends
 
 
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:

@@ -3,10 +3,17 @@
 import json
 import hashlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+# rules call `ddpflow` from the rule's environment (conda, container) when it has one, else
+# from the Python that runs Snakemake: `.venv/bin/snakemake` works without activating .venv
+shell.prefix(
+    f"command -v ddpflow >/dev/null || export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH; "
+)
 
 RUN = config["run"]
 RESULTS = f"{config['results_dir']}/{RUN}"
@@ -105,6 +112,7 @@ def config_upto(stage, cfg=config):
             "stop_check_s",
             "checkpoint",
             "sweep",
+            "tracking",
         )
     }
     return {**keep, "stages": cfg["stages"][: i + 1]}
@@ -143,7 +151,9 @@ def slurm_resources(cfg=config):
         "slurm_extra": f"'{extra}'",
     }
     if s["gpus"] > 0:
-        res.update(gpu=s["gpus"], cpus_per_gpu=s["cpus_per_gpu"])
+        # one task that keeps all the job's GPUs (torchrun starts the ranks): no
+        # --ntasks-per-gpu, which would run the job once per GPU with one GPU each
+        res.update(gpu=s["gpus"], cpus_per_gpu=s["cpus_per_gpu"], tasks_per_gpu=0)
         if s["gpu_model"]:
             res["gpu_model"] = s["gpu_model"]
     else:

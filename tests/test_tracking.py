@@ -1,0 +1,64 @@
+"""TensorBoard: event files read back with TensorBoard's own reader hold every scalar of
+every stage, with steps that continue across stages and no point drawn twice after a
+resume; asking for TensorBoard without the package is one clear message."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ddpflow, tiny_config, write_config
+
+pytestmark = pytest.mark.slow
+
+TRAIN_TAGS = ["train/loss", "train/lr", "perf/samples_per_s", "perf/compute_samples_per_s",
+              "perf/data_wait_fraction", "perf/tflops"]  # mfu, peak memory, grad scale: GPU
+
+
+def _scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_across_stages_and_a_resume(tmp_path):
+    cfg = tiny_config(tmp_path, tracking={"tensorboard": True}, stages=[
+        {"name": "s1", "epochs": 2, "batch_size": 32, "lr": 0.05},
+        {"name": "s2", "epochs": 1, "batch_size": 32, "lr": 0.01, "init_from": "previous"}])
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    # s1 stops at a checkpoint (step 24), then resumes to the end: points after step 24 of
+    # the first run are purged, none is drawn twice
+    ddpflow("launch", "--config", p, "--stage", "s1", "--halt-after-steps", "26")
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    ddpflow("launch", "--config", p, "--stage", "s2", check=True)
+    tb = tmp_path / "results/t/tensorboard"
+    s1, s2 = _scalars(tb / "s1"), _scalars(tb / "s2")
+    for tags in (s1, s2):
+        for tag in TRAIN_TAGS + ["val/acc", "val/loss"]:
+            steps = tags.get(tag)
+            assert steps, f"{tag} missing: {sorted(tags)}"
+            assert steps == sorted(set(steps)), (tag, steps)  # increasing, no duplicates
+    assert s1["val/acc"] == [16, 32]  # 1024 samples / (32 x 2 ranks) = 16 steps per epoch
+    assert min(s2["train/loss"]) > max(s1["train/loss"]) and s2["val/acc"] == [32 + 16]
+    # the resolved config as hparams, with the stage's final metrics
+    hp = [p for p in (tb / "s2").rglob("events.out.tfevents.*")]
+    assert len(hp) >= 2  # scalars and the hparams summary
+
+
+def test_tensorboard_requested_without_the_package(tmp_path):
+    cfg = tiny_config(tmp_path, tracking={"tensorboard": True})
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    # a Python whose tensorboard is hidden: a module that cannot be found
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\nclass _H:\n def find_spec(self, name, path=None, target=None):\n"
+        "  return None if name != 'tensorboard' else (_ for _ in ()).throw(ImportError)\n"
+        "sys.meta_path.insert(0, _H())\n")
+    proc = ddpflow("launch", "--config", p, "--stage", "s1",
+                   env={"PYTHONPATH": str(hide)})
+    assert proc.returncode != 0
+    assert "ddpflow[tensorboard]" in proc.stderr and "Traceback" not in proc.stderr
