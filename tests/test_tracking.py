@@ -62,3 +62,28 @@ def test_tensorboard_requested_without_the_package(tmp_path):
                    env={"PYTHONPATH": str(hide)})
     assert proc.returncode != 0
     assert "ddpflow[tensorboard]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_profiler_trace_of_a_two_rank_stage(tmp_path):
+    import json
+
+    cfg = tiny_config(tmp_path, tracking={"tensorboard": False},
+                      profile={"stage": "s1", "wait": 1, "warmup": 1, "active": 2,
+                               "all_ranks": True},
+                      stages=[{"name": "s1", "max_steps": 8, "batch_size": 32}])
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    folder = tmp_path / "results/t/stages/s1/profile"
+    for rank in (0, 1):
+        trace = json.loads((folder / f"trace-rank{rank}.json").read_text())
+        events = trace["traceEvents"]  # Chrome's trace event format
+        assert any(e.get("ph") == "X" and "aten::" in e.get("name", "") for e in events)
+        assert "Self CPU" in (folder / f"top_ops-rank{rank}.txt").read_text()
+    assert "profiler trace" in proc.stderr  # the top ops went to the stage log
+    ddpflow("collect", "--config", p, check=True)
+    assert "trace-rank0.json" in (tmp_path / "results/t/summary/report.html").read_text()
+    # a stage name that does not exist: one message before anything runs
+    bad = write_config(tmp_path, {**cfg, "profile": {"stage": "nope"}}, "bad.yaml")
+    proc = ddpflow("validate", "--config", bad)
+    assert proc.returncode != 0 and "profile.stage 'nope' is not a stage" in proc.stderr

@@ -86,6 +86,9 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         row[f"{kind}_bytes"] = p.stat().st_size if p.is_file() else None
         if s is not None and not p.is_file():
             notes.append(f"{kind}.pt is missing")
+    traces = sorted((folder / "profile").glob("trace-rank*.json"))
+    if traces:  # `profile:` asked for this stage
+        row["profile_trace"] = ", ".join(str(p) for p in traces)
     row["note"] = "; ".join(notes)
     return row, records
 

@@ -146,6 +146,15 @@ class TrackingCfg:
 
 
 @dataclass(frozen=True)
+class ProfileCfg:
+    stage: str | None  # the stage to profile (None = off)
+    wait: int  # optimizer steps
+    warmup: int
+    active: int
+    all_ranks: bool
+
+
+@dataclass(frozen=True)
 class SweepCfg:
     grid: dict  # dotted key -> list of values (cartesian product)
     variants: tuple  # [{name, set: {dotted key: value}}]
@@ -203,6 +212,7 @@ class Config:
     tune: TuneCfg
     slurm: SlurmCfg
     tracking: TrackingCfg
+    profile: ProfileCfg
     sweep: SweepCfg
     stages: tuple[StageCfg, ...] = field(default_factory=tuple)
 
@@ -247,7 +257,7 @@ class Config:
         # or renamed results folder stays valid; a preempted stage resumes after its
         # checkpoint settings changed)
         for key in ("log_every_steps", "stop_check_s", "checkpoint", "results_dir", "run",
-                    "sweep", "tracking"):
+                    "sweep", "tracking", "profile"):
             d.pop(key, None)
         d["hardware"].pop("slots", None)  # which GPUs/cores of the node, and where the data
         d["data"].pop("prepared_dir", None)  # lives: not what is computed
@@ -334,6 +344,9 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise UserError(f"invalid config: stage names must be unique, repeated: {', '.join(dupes)}")
+    if d["profile"]["stage"] is not None and d["profile"]["stage"] not in names:
+        raise UserError(f"invalid config: profile.stage '{d['profile']['stage']}' is not a "
+                        f"stage; stages are: {', '.join(names)}")
     if d["stages"][0].get("init_from") == "previous":
         raise UserError("invalid config: stages.0.init_from: the first stage has no previous "
                         "stage; use null or a path to weights")
@@ -373,7 +386,7 @@ def _build(d: dict[str, Any]) -> Config:
         hardware=HardwareCfg(**hw),
         checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
         tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]), sweep=SweepCfg(**sweep),
-        tracking=TrackingCfg(**d["tracking"]),
+        tracking=TrackingCfg(**d["tracking"]), profile=ProfileCfg(**d["profile"]),
         stages=tuple(StageCfg(**s) for s in stages),
     )
 

@@ -30,6 +30,7 @@ from .efficiency import FlopCount, GpuSampler, peak_flops
 from .errors import UserError
 from .metrics import MetricsLog
 from .models import build_model, forward, input_channels, param_count, unwrap
+from .profiling import open_profiler
 from .provenance import init_source, make_record
 from .runtime import StopPoll, build_optimizer, lr_factor, mixed_precision, schedule, trace_file
 from .saver import Saver
@@ -199,6 +200,8 @@ class Trainer:
             if (due or self.best_due) and not self.checkpoint(ckpt=due):
                 break
         self.clock.lap("train")
+        if self.prof:
+            self.prof.close()
         close_workers(self.data.train)
         self.bar.close()
         if self.gpu:
@@ -224,6 +227,7 @@ class Trainer:
         self.peak = peak_flops(d.device, self.precision)  # per GPU, or None (CPU, unknown)
         self.gpu = GpuSampler(d.device) if d.is_master else None
         self.stop_poll = StopPoll(self.cfg.stop_check_s, s.step)
+        self.prof = open_profiler(self.cfg, self.st.name, d.rank, d.device, self.out)
         self.clock.lap("startup")  # start-up ends here: the loop asks for its first batch
 
     def train_epoch(self) -> None:
@@ -234,6 +238,8 @@ class Trainer:
         s.step_in_epoch = 0
         while self.in_epoch < self.steps_per_epoch and s.step < self.total_steps:
             self.train_step(it)
+            if self.prof:
+                self.prof.step()
             if s.step % self.cfg.log_every_steps == 0 or s.step == self.total_steps:
                 stop_now = self.log_interval()
                 if self.halted:

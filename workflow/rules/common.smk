@@ -113,6 +113,7 @@ def config_upto(stage, cfg=config):
             "checkpoint",
             "sweep",
             "tracking",
+            "profile",
         )
     }
     return {**keep, "stages": cfg["stages"][: i + 1]}
