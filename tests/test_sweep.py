@@ -162,7 +162,7 @@ def _peek_stderr(proc: subprocess.Popen) -> str:
 def test_sweep_through_the_workflow(tmp_path):
     grid = {"stages.0.lr": [0.05, 0.2], "stages.0.batch_size": [16, 32]}
     write(tmp_path, {**SWEEP_BASE, "sweep": {"grid": grid}})
-    proc = snakemake(tmp_path)
+    proc = snakemake(tmp_path, activated=False)  # .venv/bin/snakemake, venv not activated
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     res = tmp_path / "results/sw"
     board = json.loads((res / "sweep/leaderboard.json").read_text())

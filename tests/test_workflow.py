@@ -30,8 +30,12 @@ TINY = {
 }
 
 
-def snakemake(workdir: Path, *args, snakefile: Path = REPO / "Snakefile", config="tiny.yaml"):
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
+def snakemake(workdir: Path, *args, snakefile: Path = REPO / "Snakefile", config="tiny.yaml",
+              activated: bool = True):
+    """`activated=False`: .venv/bin/snakemake with the venv's bin/ not on PATH."""
+    path = os.environ["PATH"].split(os.pathsep)
+    path = [str(BIN), *path] if activated else [p for p in path if Path(p) != BIN]
+    env = {**os.environ, "PATH": os.pathsep.join(path)}
     cmd = [str(BIN / "snakemake"), "-s", str(snakefile), "-d", str(workdir), "--configfile",
            str(workdir / config), "--cores", "2", *args]
     return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)

@@ -2,6 +2,10 @@
 # The outputs marked report() show up in `snakemake --report report.html`.
 
 
+localrules:
+    collect,  # reads files and draws plots: light, no Slurm job for it
+
+
 rule collect:
     input:
         expand(f"{RESULTS}/stages/{{stage}}/summary.json", stage=STAGES),

@@ -41,6 +41,8 @@ if SWEEP:
 
     localrules:
         sweep_image,
+        sweep_collect_trial,
+        sweep_leaderboard,
 
     rule sweep_image:
         input:
