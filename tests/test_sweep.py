@@ -130,16 +130,16 @@ def test_slots_are_distinct_and_a_killed_holder_frees_its_slot(tmp_path):
     # four GPUs, two per slot: two holders get disjoint GPU pairs
     a, b = _holder(pool, "0,1,2,3"), _holder(pool, "0,1,2,3")
     try:
-        got = sorted([a.stdout.readline().split(), b.stdout.readline().split()])
-        assert got == [["0", "0,1"], ["1", "2,3"]]
+        held = {p: p.stdout.readline().split() for p in (a, b)}
+        assert sorted(held.values()) == [["0", "0,1"], ["1", "2,3"]]
         # a third waits while both are held, and takes the slot of a SIGKILLed holder
         c = _holder(pool, "0,1,2,3")
         time.sleep(1.5)
         assert c.poll() is None and "waiting" in _peek_stderr(c)
-        b.send_signal(signal.SIGKILL)
+        b.send_signal(signal.SIGKILL)  # c takes exactly the slot b held
         t0 = time.monotonic()
         line = c.stdout.readline().split()
-        assert line == ["1", "2,3"] and time.monotonic() - t0 < 5
+        assert line == held[b] and time.monotonic() - t0 < 5
         c.kill()
     finally:
         for p in (a, b):
