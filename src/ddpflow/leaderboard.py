@@ -76,12 +76,11 @@ def trial_row(entry: dict, logs: Path) -> dict:
     return row
 
 
-def _mode(cfg: Config) -> str:
+def _mode(cfg: Config) -> str | None:
+    """min | max of the monitored metric, as the last stage recorded it (only finished
+    trials, which have a summary, are ranked by it)."""
     summary = _read(cfg.stage_dir(cfg.stages[-1].name) / "summary.json") or {}
-    return summary.get("monitor_mode") or ("max" if cfg.task.mode == "auto"
-                                           and cfg.task.name == "classification"
-                                           else "min" if cfg.task.mode == "auto"
-                                           else cfg.task.mode)
+    return summary.get("monitor_mode")
 
 
 def _read(path: Path) -> dict | None:
