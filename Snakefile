@@ -15,12 +15,14 @@ if not workflow.overwrite_configfiles:
 report: "workflow/report/workflow.rst"
 
 
-if isinstance(config.get("task"), str):  # `task: regression` is short for task.name
-    config["task"] = {"name": config["task"]}
+# common.smk first resolves the config through ddpflow's own validation (one clear message
+# for any mistake, before any job); the schema check below then sees the resolved config
+include: "workflow/rules/common.smk"
+
+
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
-include: "workflow/rules/common.smk"
 include: "workflow/rules/image.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/tune.smk"

@@ -4,6 +4,8 @@ resume; asking for TensorBoard without the package is one clear message."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import ddpflow, tiny_config, write_config
@@ -22,8 +24,9 @@ def _scalars(folder):
     return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_tensorboard_across_stages_and_a_resume(tmp_path):
-    cfg = tiny_config(tmp_path, tracking={"tensorboard": True}, stages=[
+def test_tensorboard_and_mlflow_across_stages_and_a_resume(tmp_path):
+    db = f"sqlite:///{tmp_path}/mlflow.db"  # MLflow's own store, no server needed here
+    cfg = tiny_config(tmp_path, tracking={"tensorboard": True, "mlflow": {"uri": db}}, stages=[
         {"name": "s1", "epochs": 2, "batch_size": 32, "lr": 0.05},
         {"name": "s2", "epochs": 1, "batch_size": 32, "lr": 0.01, "init_from": "previous"}])
     p = write_config(tmp_path, cfg)
@@ -46,26 +49,46 @@ def test_tensorboard_across_stages_and_a_resume(tmp_path):
     hp = [p for p in (tb / "s2").rglob("events.out.tfevents.*")]
     assert len(hp) >= 2  # scalars and the hparams summary
 
+    # MLflow: the resumed s1 continued its one run (id kept in the stage folder), its points
+    # are those of TensorBoard, none twice
+    from mlflow.tracking import MlflowClient
 
-def test_tensorboard_requested_without_the_package(tmp_path):
-    cfg = tiny_config(tmp_path, tracking={"tensorboard": True})
+    c = MlflowClient(tracking_uri=db)
+    runs = c.search_runs([c.get_experiment_by_name("ddpflow").experiment_id])
+    named = {}
+    for r in runs:
+        named.setdefault(r.info.run_name, []).append(r)
+    assert sorted((k, len(v)) for k, v in named.items()) == [("s1", 1), ("s2", 1), ("t", 1)]
+    s1_run = named["s1"][0]
+    assert s1_run.info.status == "FINISHED"
+    assert json.loads((tmp_path / "results/t/stages/s1/mlflow.json").read_text())[
+        "run_id"] == s1_run.info.run_id
+    for tag in ("train/loss", "val/acc"):
+        steps = sorted(m.step for m in c.get_metric_history(s1_run.info.run_id, tag))
+        assert steps == s1[tag], (tag, steps, s1[tag])
+
+
+@pytest.mark.parametrize("package,tracking", [
+    ("tensorboard", {"tensorboard": True}),
+    ("mlflow", {"tensorboard": False, "mlflow": {"uri": "http://127.0.0.1:9"}})])
+def test_tracker_requested_without_its_package(tmp_path, package, tracking):
+    cfg = tiny_config(tmp_path, tracking=tracking)
     p = write_config(tmp_path, cfg)
     ddpflow("prepare", "--config", p, check=True)
-    # a Python whose tensorboard is hidden: a module that cannot be found
+    # a Python whose package is hidden: a module that cannot be found
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text(
         "import sys\nclass _H:\n def find_spec(self, name, path=None, target=None):\n"
-        "  return None if name != 'tensorboard' else (_ for _ in ()).throw(ImportError)\n"
+        f"  return None if name != {package!r} else (_ for _ in ()).throw(ImportError)\n"
         "sys.meta_path.insert(0, _H())\n")
     proc = ddpflow("launch", "--config", p, "--stage", "s1",
                    env={"PYTHONPATH": str(hide)})
     assert proc.returncode != 0
-    assert "ddpflow[tensorboard]" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"ddpflow[{package}]" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_profiler_trace_of_a_two_rank_stage(tmp_path):
-    import json
 
     cfg = tiny_config(tmp_path, tracking={"tensorboard": False},
                       profile={"stage": "s1", "wait": 1, "warmup": 1, "active": 2,

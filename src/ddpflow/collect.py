@@ -28,6 +28,7 @@ from .container import git_revision
 from .data.prepared import write_json_atomic
 from .errors import UserError
 from .metrics import read_records
+from .mlflowrun import finish_workflow_run
 from .provenance import stage_result
 from .report import render
 from .summary import read_summary, result_text
@@ -181,6 +182,9 @@ def collect(cfg: Config, repo: Path | None = None) -> dict:
     write_json_atomic(out / "summary.json", summary)
     (out / "report.html").write_text(render(cfg, summary, man, figures, metric))
     (out / "headline.txt").write_text(headline(cfg, rows))
+    finish_workflow_run(cfg, [out / n for n in ("report.html", "summary.csv", "summary.json",
+                                                "manifest.json", "headline.txt")]
+                        + sorted(out.glob("*.png")))  # tracking.mlflow: the report, too
     return summary
 
 

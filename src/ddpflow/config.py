@@ -19,6 +19,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from . import endpoints
 from .errors import UserError
 from .schema_messages import message
 from .yamlfile import read_yaml
@@ -113,6 +114,7 @@ class ContainerCfg:
     image: str
     base_image: str | None
     shm_size: str
+    uri: str | None  # docker://, oras:// or .sif: the rules' `container:` (--sdm apptainer)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class TuneCfg:
 @dataclass(frozen=True)
 class SlurmCfg:
     gpus: int  # GPUs per training job (Snakemake resource gpu=); 0 = a CPU-only job
+    gres: str | None  # gpu:N or gpu:type:N, sent as --gres instead of gpu= (gpus = N)
     gpu_model: str | None
     cpus_per_gpu: int
     cpus: int  # CPUs of a CPU-only job (gpus: 0)
@@ -141,8 +144,15 @@ class SlurmCfg:
 
 
 @dataclass(frozen=True)
+class MlflowCfg:
+    uri: str | None  # tracking server or store; None = no MLflow
+    experiment: str
+
+
+@dataclass(frozen=True)
 class TrackingCfg:
     tensorboard: bool | str  # auto | true | false
+    mlflow: MlflowCfg
 
 
 @dataclass(frozen=True)
@@ -351,7 +361,34 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
         raise UserError("invalid config: stages.0.init_from: the first stage has no previous "
                         "stage; use null or a path to weights")
     _check_sources(d)
+    _check_endpoints(d)
     return d
+
+
+def _check_endpoints(d: dict[str, Any]) -> None:
+    """The addresses of outside systems, and slurm.gpus resolved (null = gres's count or 1)."""
+    uri = d["tracking"]["mlflow"]["uri"]
+    if uri is not None and (problem := endpoints.mlflow_uri_problem(uri)):
+        raise UserError(f"invalid config: tracking.mlflow.uri '{uri}' {problem}")
+    uri = d["container"]["uri"]
+    if uri is not None and (problem := endpoints.container_uri_problem(uri)):
+        raise UserError(f"invalid config: container.uri '{uri}' {problem}")
+    s = d["slurm"]
+    if s["gres"] is not None:
+        n = endpoints.gres_gpus(s["gres"])
+        if n is None:
+            raise UserError(f"invalid config: slurm.gres '{s['gres']}' is not gpu:N or "
+                            f"gpu:type:N (e.g. gpu:4 or gpu:a100:4)")
+        if s["gpu_model"]:
+            raise UserError("invalid config: slurm.gres and slurm.gpu_model both name the "
+                            "GPUs; put the model in gres (gpu:type:N) and drop gpu_model")
+        if s["gpus"] is not None and s["gpus"] != n:
+            raise UserError(f"invalid config: slurm.gres '{s['gres']}' asks for {n} GPU(s) and "
+                            f"slurm.gpus for {s['gpus']}; give one of them (gres for clusters "
+                            f"that only accept --gres, else gpus)")
+        s["gpus"] = n
+    elif s["gpus"] is None:
+        s["gpus"] = 1
 
 
 def _check_sources(d: dict[str, Any]) -> None:
@@ -386,7 +423,9 @@ def _build(d: dict[str, Any]) -> Config:
         hardware=HardwareCfg(**hw),
         checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
         tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]), sweep=SweepCfg(**sweep),
-        tracking=TrackingCfg(**d["tracking"]), profile=ProfileCfg(**d["profile"]),
+        tracking=TrackingCfg(d["tracking"]["tensorboard"],
+                             MlflowCfg(**d["tracking"]["mlflow"])),
+        profile=ProfileCfg(**d["profile"]),
         stages=tuple(StageCfg(**s) for s in stages),
     )
 

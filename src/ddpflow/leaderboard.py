@@ -24,6 +24,7 @@ from pathlib import Path
 from .collect import stage_row
 from .config import Config, from_dict
 from .data.prepared import write_json_atomic
+from .mlflowrun import finish_workflow_run
 from .report import CSS, ONLOAD, _fmt, _img
 from .slots import read_record
 from .sweep import read_plan
@@ -144,6 +145,9 @@ def collect(cfg: Config, logs: Path | None = None) -> str:
     (out / "report.html").write_text(render(cfg, board, figures, out))
     text = headline(cfg, rows, best, out)
     (out / "headline.txt").write_text(text)
+    finish_workflow_run(cfg, [out / n for n in ("leaderboard.csv", "leaderboard.json",
+                                                "report.html", "headline.txt")]
+                        + sorted(figures.values()), sweep=True)
     return text
 
 

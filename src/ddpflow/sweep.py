@@ -173,6 +173,8 @@ def _place(cfg: Config, t: dict, trial: Trial) -> dict:
         t["hardware"]["threads_per_rank"] = sw.threads_per_trial
     if t["slurm"]["gpus"] > 0:  # a Slurm job per trial stage, asking the trial's GPUs
         t["slurm"]["gpus"] = sw.gpus_per_trial
+        if t["slurm"]["gres"]:  # gpu[:type]:N with the trial's N
+            t["slurm"]["gres"] = f"{t['slurm']['gres'].rsplit(':', 1)[0]}:{sw.gpus_per_trial}"
     else:
         t["slurm"]["cpus"] = max(t["slurm"]["cpus"], sw.threads_per_trial)
     return t

@@ -1,4 +1,5 @@
-"""Metrics to the trackers users already open: TensorBoard event files (`tracking.tensorboard`).
+"""Metrics to the trackers users already open: TensorBoard event files (`tracking.tensorboard`)
+and MLflow runs (`tracking.mlflow`, in mlflowrun.py), both fed by `Trackers` on rank 0.
 
 Rank 0's metrics records (the same ones metrics.jsonl gets) go to
 `<run>/tensorboard/<stage>/`: per log interval loss, lr, samples/s, compute-only samples/s,
@@ -40,7 +41,10 @@ def tensorboard_available() -> bool:
 
 
 def check(cfg: Config) -> None:
-    """tracking.tensorboard: true without the package: one message naming the extra."""
+    """A tracker asked for without its package: one message naming the extra."""
+    from .mlflowrun import check as check_mlflow
+
+    check_mlflow(cfg)
     if cfg.tracking.tensorboard is True and not tensorboard_available():
         raise UserError("tracking.tensorboard is true but the tensorboard package is not "
                         "installed; pip install 'ddpflow[tensorboard]' (or set "
@@ -57,6 +61,17 @@ def step_offset(cfg: Config, stage: str) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return total
+
+
+def scalars(rec: dict) -> dict:
+    """A metrics record's values by tracker tag: train/loss, perf/mfu, val/acc, test/acc..."""
+    if rec.get("kind") == "train":
+        return {tag: rec[k] for k, tag in TRAIN_SCALARS.items()
+                if isinstance(rec.get(k), (int, float))}
+    if rec.get("kind") == "val":
+        return {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}": v for k, v in rec.items()
+                if k.startswith(("val_", "test_")) and isinstance(v, (int, float))}
+    return {}
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -111,32 +126,52 @@ class TensorBoard:
         writer.close()
 
     def record(self, rec: dict) -> None:
-        step = self.offset + int(rec.get("step", 0))
-        if rec.get("kind") == "train":
-            values = {tag: rec[k] for k, tag in TRAIN_SCALARS.items()
-                      if isinstance(rec.get(k), (int, float))}
-        elif rec.get("kind") == "val":
-            values = {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}": v for k, v in rec.items()
-                      if k.startswith(("val_", "test_")) and isinstance(v, (int, float))}
-        else:
-            return
-        self.q.put(("scalars", (step, values)))
+        values = scalars(rec)
+        if values:
+            self.q.put(("scalars", (self.offset + int(rec.get("step", 0)), values)))
 
-    def stage_end(self, config: dict, final_metrics: dict) -> None:
+    def stage_end(self, config: dict, final_metrics: dict, artifacts: list) -> None:
         metrics = {f"hparam/{k}": v for k, v in final_metrics.items()
                    if isinstance(v, (int, float))}
         self.q.put(("hparams", (flat(config), metrics)))
 
-    def close(self) -> None:
+    def close(self, status: str) -> None:
         self.q.put(None)
         self.thread.join()
 
 
-def open_tensorboard(cfg: Config, stage: str, resume_step: int) -> TensorBoard | None:
-    """The stage's TensorBoard writer on rank 0, or None (off, or auto without the package)."""
+class Trackers:
+    """Every tracker of a stage, fed the same calls."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def record(self, rec: dict) -> None:
+        for t in self.items:
+            t.record(rec)
+
+    def stage_end(self, config: dict, final_metrics: dict, artifacts: list) -> None:
+        for t in self.items:
+            t.stage_end(config, final_metrics, artifacts)
+
+    def close(self, status: str) -> None:
+        """status: FINISHED, KILLED (stopped at a checkpoint, resumable) or FAILED."""
+        for t in self.items:
+            t.close(status)
+
+
+def open_trackers(cfg: Config, stage: str, resume_step: int, key: str) -> Trackers | None:
+    """The stage's trackers on rank 0, or None when none is on."""
+    from . import mlflowrun
+
+    items: list = []
+    offset = step_offset(cfg, stage)
     on = cfg.tracking.tensorboard
-    if on is False or (on == "auto" and not tensorboard_available()):
-        return None
-    check(cfg)
-    return TensorBoard(cfg.run_dir / "tensorboard" / stage, step_offset(cfg, stage),
-                       resume_step)
+    if on is True or (on == "auto" and tensorboard_available()):
+        check(cfg)
+        items.append(TensorBoard(cfg.run_dir / "tensorboard" / stage, offset, resume_step))
+    if cfg.tracking.mlflow.uri:
+        mlflowrun.check(cfg)
+        items.append(mlflowrun.MlflowStage(cfg, stage, offset, key, resume_step > 0,
+                                           flat(cfg.to_dict())))
+    return Trackers(items) if items else None

@@ -36,7 +36,7 @@ from .runtime import StopPoll, build_optimizer, lr_factor, mixed_precision, sche
 from .saver import Saver
 from .stagelog import interval_record, stage_summary, write_failure, write_final
 from .tasks import build_task, check_loss, improves, monitor
-from .tracking import open_tensorboard
+from .tracking import open_trackers
 from .tune import stage_settings
 from .userimport import add_code_dirs
 from .validation import VAL_BATCH_FACTOR, val_metrics
@@ -170,10 +170,10 @@ class Trainer:
             checkpoint.remove_partial(self.ckpt_dir)  # temp files of a killed write
             if not found:
                 checkpoint.set_aside(self.ckpt_dir)  # never mix with a stale run's checkpoints
-        self.tb = (open_tensorboard(self.cfg, self.st.name, self.state.step)
-                   if d.is_master else None)
+        self.trackers = (open_trackers(self.cfg, self.st.name, self.state.step,
+                                       self.resume_key) if d.is_master else None)
         self.log = (MetricsLog(self.out / "metrics.jsonl", keep_until_step=self.state.step,
-                               tracker=self.tb) if d.is_master else None)
+                               tracker=self.trackers) if d.is_master else None)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -409,11 +409,13 @@ class Trainer:
             self.say(f"stopped: {self.diverged}")
         elif not self.halted:
             summary = stage_summary(self)
-            if self.tb:
-                self.tb.stage_end(self.cfg.to_dict(), summary["final_metrics"])
+            if self.trackers:
+                self.trackers.stage_end(self.cfg.to_dict(), summary["final_metrics"],
+                                        [self.out / "summary.json", self.out / "metrics.jsonl"])
             self.say(f"done: {self.out / 'summary.json'}")
-        if self.tb:
-            self.tb.close()  # the event files are complete when the stage ends
+        if self.trackers:  # event files complete, MLflow run ended when the stage ends
+            self.trackers.close("FAILED" if self.diverged else
+                                "KILLED" if self.halted else "FINISHED")
 
 
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:

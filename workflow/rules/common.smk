@@ -7,6 +7,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import yaml
 from pathlib import Path
 
 # rules call `ddpflow` from the rule's environment (conda, container) when it has one, else
@@ -14,6 +15,29 @@ from pathlib import Path
 shell.prefix(
     f"command -v ddpflow >/dev/null || export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH; "
 )
+
+
+def ddpflow_stdin(*args):
+    """Run `ddpflow <args> --config -` with the config on stdin at parse time; a config the
+    library rejects stops the workflow here with its one-line message, before any job.
+    """
+    ddpflow = [shutil.which("ddpflow")] if shutil.which("ddpflow") else []
+    ddpflow = ddpflow or [sys.executable, "-m", "ddpflow"]
+    r = subprocess.run(
+        [*ddpflow, *args, "--config", "-"],
+        input=json.dumps(config),
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode:
+        sys.exit(r.stderr.strip() or f"ddpflow {args[0]} failed ({r.returncode})")
+    return r
+
+
+# the config as the library resolves it: the checks a schema cannot make (slurm.gres against
+# slurm.gpus, the tracking and container URIs) and the values it fills in (slurm.gpus)
+config.update(yaml.safe_load(ddpflow_stdin("validate").stdout))
+
 
 RUN = config["run"]
 RESULTS = f"{config['results_dir']}/{RUN}"
@@ -39,17 +63,7 @@ def sweep_plan():
     sw = config.get("sweep") or {}
     if not (sw.get("grid") or sw.get("variants") or sw.get("random")):
         return None
-    ddpflow = [shutil.which("ddpflow")] if shutil.which("ddpflow") else []
-    ddpflow = ddpflow or [sys.executable, "-m", "ddpflow"]
-    r = subprocess.run(
-        [*ddpflow, "sweep", "plan", "--config", "-"],
-        input=json.dumps(config),
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode:
-        sys.exit(r.stderr.strip() or f"ddpflow sweep plan failed ({r.returncode})")
-    print(r.stderr.strip(), file=sys.stderr)
+    print(ddpflow_stdin("sweep", "plan").stderr.strip(), file=sys.stderr)
     return json.loads((Path(RESULTS) / "sweep" / "plan.json").read_text())
 
 
@@ -154,13 +168,20 @@ def slurm_resources(cfg=config):
     if s["gpus"] > 0:
         # one task that keeps all the job's GPUs (torchrun starts the ranks): no
         # --ntasks-per-gpu, which would run the job once per GPU with one GPU each
-        res.update(gpu=s["gpus"], cpus_per_gpu=s["cpus_per_gpu"], tasks_per_gpu=0)
+        res.update(cpus_per_gpu=s["cpus_per_gpu"], tasks_per_gpu=0)
+        if s["gres"]:  # clusters that only accept --gres (gpus is its count, resolved)
+            res["gres"] = s["gres"]
+        else:
+            res["gpu"] = s["gpus"]
         if s["gpu_model"]:
             res["gpu_model"] = s["gpu_model"]
     else:
         res["cpus_per_task"] = s["cpus"]
-    if cfg["hardware"]["nodes"] > 1:  # one torchrun per node, started by srun
-        res.update(nodes=cfg["hardware"]["nodes"], tasks=cfg["hardware"]["nodes"])
+    nodes = cfg["hardware"]["nodes"]
+    if nodes > 1:
+        # one torchrun per node, started by ddpflow's own `srun` as the job's step: mpi
+        # stops the jobstep plugin from wrapping the job in `srun -n1`
+        res.update(nodes=nodes, tasks=nodes, mpi="srun")
     for key in ("partition", "account"):
         if s[key]:
             res[f"slurm_{key}"] = s[key]
