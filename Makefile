@@ -1,5 +1,6 @@
 # ddpflow: two commands on a fresh machine.
-#   make run    set up .venv, then run the workflow on config/config.yaml (snakemake --cores all)
+#   make run    set up .venv, then run the workflow on config/config.yaml (snakemake --cores all;
+#               CONFIG=my.yaml for your own config)
 #   make test   set up .venv and the test services (Docker engine), lint, run every test
 SHELL := /bin/bash
 VENV ?= .venv
@@ -19,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	snakemake --cores $(CORES)
+	snakemake --cores $(CORES) $(if $(CONFIG),--configfile $(CONFIG))
 
 lint: $(STAMP)
 	ruff check src tests bench

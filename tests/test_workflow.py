@@ -166,7 +166,9 @@ def test_invalid_config_stops_before_any_job(tmp_path):
     proc = snakemake(tmp_path)
     assert proc.returncode != 0
     err = proc.stdout + proc.stderr
-    assert "colour" in err and "Error validating config" in err
+    # ddpflow's own message, naming every problem (not a dump of the schema)
+    assert "invalid config" in err and "unknown key data.colour" in err
+    assert "stages.0.epochs" in err and "Traceback" not in err
     assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
 
 
@@ -185,6 +187,24 @@ def test_slurm_profile_dry_run_resolves_gpu_resources(wf):
                      "slurm_account=proj1", "slurm_partition=debug", "--signal=USR1@120"):
             assert want in res, (want, res)
         assert "ddpflow launch" in block and block.count("ddpflow launch") == 1
+        assert "tasks_per_gpu=0" in res  # one task keeps all the job's GPUs
+
+
+def test_slurm_gres_and_two_nodes_dry_run(wf):
+    """gres instead of gpu=, and a two-node job whose srun step is ddpflow's own (mpi)."""
+    cfg = {**TINY, "hardware": {**TINY["hardware"], "nodes": 2},
+           "slurm": {"gres": "gpu:a100:2", "cpus_per_gpu": 4}}
+    write(wf, cfg)
+    proc = snakemake(wf, "-n", "--profile", str(REPO / "profiles/slurm"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    for block in out.split("rule train:")[1:]:
+        res = block.split("resources:")[1].splitlines()[0]
+        for want in ("gres=gpu:a100:2", "tasks_per_gpu=0", "nodes=2", "tasks=2", "mpi=srun"):
+            assert want in res, (want, res)
+        assert " gpu=" not in res and "gpu_model" not in res
+    used = json.loads((wf / "results/wf/workflow_config.json").read_text())
+    assert used["slurm"]["gpus"] == 2  # resolved from the gres count
 
 
 def test_a_user_config_is_not_merged_with_the_default(tmp_path):

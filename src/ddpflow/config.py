@@ -373,6 +373,11 @@ def _check_endpoints(d: dict[str, Any]) -> None:
     uri = d["container"]["uri"]
     if uri is not None and (problem := endpoints.container_uri_problem(uri)):
         raise UserError(f"invalid config: container.uri '{uri}' {problem}")
+    if uri is not None and d["container"]["engine"] in ("docker", "podman"):
+        raise UserError(f"invalid config: container.uri is for engine none (Snakemake runs "
+                        f"the rules in it: --sdm apptainer) or apptainer (the .sif is built "
+                        f"from it); engine {d['container']['engine']} builds from the "
+                        f"Dockerfile: drop the uri or change the engine")
     s = d["slurm"]
     if s["gres"] is not None:
         n = endpoints.gres_gpus(s["gres"])

@@ -112,19 +112,34 @@ def build(cfg: Config, context: Path, out: Path) -> dict:
 
 
 def _build_apptainer(cfg: Config, context: Path, out: Path, record: dict) -> dict:
-    """Build with docker, then convert to a .sif beside image.json (needs apptainer)."""
+    """The stages' .sif (`<run>/image.sif`): pulled from container.uri by apptainer itself
+    (docker:// or oras://, no Docker needed, as on most HPC systems), copied from a .sif
+    given as the uri, or, without a uri, built with docker and converted."""
     if shutil.which("apptainer") is None:
         raise UserError("container.engine is 'apptainer', but apptainer is not installed; "
                         "install it, or set container.engine: none")
-    docker_cfg = {**cfg.to_dict(), "container": {**cfg.to_dict()["container"],
-                                                 "engine": "docker"}}
-    from .config import from_dict
+    sif, uri = out.with_suffix(".sif"), cfg.container.uri
+    if uri and "://" not in uri:  # a .sif file (checked by config validation)
+        if not Path(uri).is_file():
+            raise UserError(f"container.uri {uri} does not exist; build it with "
+                            f"`apptainer build {uri} docker://<image>` or give a docker:// uri")
+        shutil.copyfile(uri, sif.with_suffix(".sif.tmp"))
+    elif uri:
+        subprocess.run(["apptainer", "build", "--force", str(sif.with_suffix(".sif.tmp")), uri],
+                       check=True)
+    else:
+        docker_cfg = {**cfg.to_dict(), "container": {**cfg.to_dict()["container"],
+                                                     "engine": "docker"}}
+        from .config import from_dict
 
-    built = build(from_dict(docker_cfg), context, out)
-    sif = out.with_suffix(".sif")
-    subprocess.run(["apptainer", "build", "--force", str(sif),
-                    f"docker-daemon://{cfg.container.image}"], check=True)
-    record.update(built, engine="apptainer", sif=str(sif))
+        record.update(build(from_dict(docker_cfg), context, out))
+        subprocess.run(["apptainer", "build", "--force", str(sif.with_suffix(".sif.tmp")),
+                        f"docker-daemon://{cfg.container.image}"], check=True)
+    os.replace(sif.with_suffix(".sif.tmp"), sif)  # never a half-built image under its name
+    from .checkpoint import sha256_of
+
+    record.update(engine="apptainer", sif=str(sif), source=uri or "Dockerfile",
+                  sif_sha256=sha256_of(sif))
     write_json_atomic(out, record)
     return record
 

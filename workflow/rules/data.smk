@@ -8,6 +8,8 @@ rule prepare_data:
         f"{LOGS}/prepare_data.log",
     conda:
         "../envs/ddpflow.yaml"
+    container:
+        CONTAINER
     params:
         cfg=WCFG,
         data={k: v for k, v in config["data"].items() if k not in LOADER_KEYS},

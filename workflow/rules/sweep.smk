@@ -31,6 +31,8 @@ if SWEEP:
             dataset="[0-9a-f]+",
         conda:
             "../envs/ddpflow.yaml"
+        container:
+            CONTAINER
         params:
             cfg=lambda w: DATASETS[w.dataset]["config"],
             files=lambda w: data_listing(TCFG[DATASETS[w.dataset]["id"]]),
@@ -68,6 +70,8 @@ if SWEEP:
         priority: 10
         conda:
             "../envs/ddpflow.yaml"
+        container:
+            CONTAINER
         threads: config["sweep"]["threads_per_trial"]
         resources:
             **slurm_resources(FIRST),
@@ -98,6 +102,8 @@ if SWEEP:
         priority: 10
         conda:
             "../envs/ddpflow.yaml"
+        container:
+            CONTAINER
         threads: config["sweep"]["threads_per_trial"]
         resources:
             **slurm_resources(FIRST),

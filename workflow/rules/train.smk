@@ -15,6 +15,8 @@ rule train:
         stage=STAGE_PATTERN,
     conda:
         "../envs/ddpflow.yaml"
+    container:
+        CONTAINER
     resources:
         **slurm_resources(),
     params:

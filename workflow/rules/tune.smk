@@ -12,6 +12,8 @@ rule tune:
         f"{LOGS}/tune.log",
     conda:
         "../envs/ddpflow.yaml"
+    container:
+        CONTAINER
     resources:
         **slurm_resources(),
     params:
