@@ -141,3 +141,45 @@ def test_mlflow_settings_checked_before_any_job(tmp_path):
         assert proc.returncode != 0 and words in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
         assert not (tmp_path / "results").exists()  # nothing written
+
+
+def test_sweep_trials_nest_under_the_sweeps_run(tmp_path):
+    """sweep run -> trial run -> stage run, each id kept in its folder; parallel trials
+    share the sweep's one run; the leaderboard finishes it."""
+    from mlflow.tracking import MlflowClient
+
+    from ddpflow import mlflowrun
+    from ddpflow.config import from_dict
+
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    root = tmp_path / "results/sw"
+    (root / "sweep").mkdir(parents=True)
+    (root / "sweep/plan.json").write_text("{}")
+    base = {**TINY, "results_dir": str(tmp_path / "results"), "run": "sw",
+            "tracking": {"mlflow": {"uri": db}}}
+    trials = [from_dict({**base, "results_dir": str(root / "trials"), "run": t})
+              for t in ("lr-0.1-aaaaaa", "lr-0.2-bbbbbb")]
+    for cfg in trials:
+        sink = mlflowrun.StageSink(cfg, "a", tmp_path / "unsent.jsonl")
+        for op in (["open", {"key": "k", "resume": False, "params": {"run": cfg.run}}],
+                   ["metrics", {"step": 1, "ts": 0, "values": {"train/loss": 2.0}}],
+                   ["end", {"artifacts": [], "status": "FINISHED"}]):
+            sink.apply(op)
+        assert sink.failed is None, sink.failed
+    mlflowrun.finish_workflow_run(from_dict(base), [], sweep=True)
+
+    c = MlflowClient(tracking_uri=db)
+    runs = {r.info.run_id: r for r in c.search_runs(
+        [c.get_experiment_by_name("ddpflow").experiment_id])}
+    by_name = {}
+    for r in runs.values():
+        by_name.setdefault(r.info.run_name, []).append(r)
+    assert sorted((k, len(v)) for k, v in by_name.items()) == [
+        ("a", 2), ("lr-0.1-aaaaaa", 1), ("lr-0.2-bbbbbb", 1), ("sw", 1)]
+    sweep_id = by_name["sw"][0].info.run_id
+    assert by_name["sw"][0].info.status == "FINISHED"
+    for stage_run in by_name["a"]:
+        trial = runs[stage_run.data.tags["mlflow.parentRunId"]]
+        assert trial.info.run_name.startswith("lr-")
+        assert trial.data.tags["mlflow.parentRunId"] == sweep_id
+    assert not (tmp_path / "unsent.jsonl").exists()

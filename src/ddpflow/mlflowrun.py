@@ -196,10 +196,10 @@ class MlflowStage:
 
     def __init__(self, cfg: Config, stage: str, offset: int, key: str, resumed: bool,
                  params: dict):
-        self.offset = offset
+        self.cfg, self.stage, self.offset, self.resumed = cfg, stage, offset, resumed
         folder = cfg.stage_dir(stage)
-        if not resumed:  # a fresh start: nothing of an older attempt is sent later
-            (folder / UNSENT).unlink(missing_ok=True)
+        if not resumed:  # a fresh start: what an older attempt could not send is dropped,
+            (folder / UNSENT).unlink(missing_ok=True)  # as its metrics.jsonl lines are
         self.sink = StageSink(cfg, stage, folder / UNSENT)
         self.q: queue.Queue = queue.Queue()
         self.q.put(["open", {"key": key, "resume": resumed, "params": params}])
@@ -207,6 +207,11 @@ class MlflowStage:
         self.thread.start()
 
     def _run(self) -> None:
+        if self.resumed:  # the attempt this one resumes comes first, in its own run
+            try:
+                send_unsent(self.cfg, self.stage)
+            except Exception as e:  # noqa: BLE001 - a tracker never fails training
+                warn(f"MLflow: the earlier attempt's unsent metrics stay unsent ({e})")
         while (op := self.q.get()) is not None:
             self.sink.apply(op)
 
