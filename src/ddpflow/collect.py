@@ -35,7 +35,8 @@ from .summary import read_summary, result_text
 
 COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
            "final_val_acc", "best_val_acc",
-           "final_val_loss", "best_val_loss", "wall_time_s", "wall_samples_per_s",
+           "final_val_loss", "best_val_loss", "time_to_target_s", "early_stop",
+           "wall_time_s", "wall_samples_per_s",
            "startup_s", "train_s", "data_wait_s", "validation_s", "checkpoint_s", "teardown_s",
            "mean_samples_per_s", "samples_per_s_per_rank", "data_wait_fraction", "mfu",
            "peak_mem_mib", "world_size",
@@ -80,6 +81,8 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         row.update({f"{k}_s": v for k, v in ((s.get("wall") or {}).get("split_s") or {}).items()})
         if row.get("mean_samples_per_s") is not None:
             row["samples_per_s_per_rank"] = row["mean_samples_per_s"] / s["world_size"]
+        if s.get("early_stop"):  # stages[].stop: why it ended before its last epoch
+            row["early_stop"] = f"step {s['early_stop']['step']}: {s['early_stop']['reason']}"
     for kind in ("final", "best"):
         p = folder / f"{kind}.pt"
         row[f"{kind}_checkpoint"] = str(p) if p.is_file() else None
@@ -207,7 +210,9 @@ def headline(cfg: Config, rows: list[dict]) -> str:
                          f"{r['wall_time_s']:.0f} s ({r.get('startup_s') or 0:.0f} s start-up)  "
                          f"{r.get('wall_samples_per_s') or 0:.0f} samples/s overall, "
                          f"{r['mean_samples_per_s'] or 0:.0f} in steady state "
-                         f"on {r['world_size']} rank(s), {r['precision']}")
+                         f"on {r['world_size']} rank(s), {r['precision']}"
+                         + (f"  (target reached after {r['time_to_target_s']:.0f} s)"
+                            if r.get("time_to_target_s") is not None else ""))
         else:
             what = "STALE" if r.get("stale") else "NOT FINISHED"
             lines.append(f"  {r['stage']:12s} {what} ({r['note']})")

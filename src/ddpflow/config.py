@@ -203,6 +203,7 @@ class StageCfg:
     init_from: str | None
     freeze: tuple[str, ...] | None  # parameter name prefixes frozen here (None = model.freeze)
     validate_every_epochs: int  # epochs between validations (the last is always validated)
+    stop: dict  # {monitor, patience, target}: early stopping and time-to-target (earlystop.py)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import checkpoint
+from . import checkpoint, earlystop
 from .metrics import efficiency_means, read_records
 from .models import param_count, unwrap
 from .runtime import environment, peak_memory_mib
@@ -56,6 +56,7 @@ def stage_summary(t) -> dict:
         "final_val_acc": final.get("val_acc"), "final_val_loss": final.get("val_loss"),
         "best_val_acc": best.get("val_acc"), "best_val_loss": best.get("val_loss"),
         "best_step": s.best.get("step"),
+        **earlystop.summary(t),  # early_stop (why, or None), target and time_to_target_s
         "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
         # from the command to the result, all runs of the stage (the launcher adds its end)
         "wall_time_s": wall["total_s"], "wall": wall,

@@ -89,10 +89,14 @@ def build_task(cfg, st, num_classes: int | None):
 def monitor(cfg, task) -> tuple[str, str]:
     """(val_<metric>, min|max): what chooses best.pt."""
     name = cfg.task.monitor or getattr(task, "monitor", None) or "val_loss"
-    mode = cfg.task.mode
-    if mode == "auto":
-        mode = "max" if name[len("val_"):] in getattr(task, "maximize", ()) else "min"
-    return name, mode
+    return name, metric_mode(name, task, cfg.task.mode)
+
+
+def metric_mode(name: str, task, mode: str = "auto") -> str:
+    """max for the metrics the task maximizes (accuracy...), else min (losses)."""
+    if mode != "auto":
+        return mode
+    return "max" if name[len("val_"):] in getattr(task, "maximize", ()) else "min"
 
 
 def improves(metrics: dict, name: str, mode: str, best, task_name: str) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import checkpoint, distributed, lazydynamo, runtime, stopflag
+from . import checkpoint, distributed, earlystop, lazydynamo, runtime, stopflag
 from .config import Config, config_hash
 from .data import prepared
 from .data.pipeline import close_workers, open_pipeline
@@ -58,6 +58,7 @@ class TrainState:
     skipped_steps: int = 0  # fp16 steps the GradScaler skipped
     wall_s: dict = field(default_factory=dict)  # earlier processes' wall split (wallclock.py)
     runs: int = 0  # earlier processes of this stage that left a checkpoint
+    stop: dict = field(default_factory=dict)  # early stopping's counters and decision
 
     @classmethod
     def from_checkpoint(cls, state: dict) -> "TrainState":
@@ -186,7 +187,8 @@ class Trainer:
         self.start_counters()
         # an epoch whose steps are done but not yet validated (stopped at its last step) is
         # validated on resume: in_epoch > 0 until the epoch's validation has run
-        while (s.step < self.total_steps or self.in_epoch > 0) and not self.halted:
+        while ((s.step < self.total_steps or self.in_epoch > 0) and not self.halted
+               and "stopped" not in s.stop):  # early stopping (earlystop.py)
             self.train_epoch()
             if self.halted:
                 break
@@ -356,6 +358,7 @@ class Trainer:
         distributed.broadcast_buffers(d, net)  # every rank validates with rank 0's BN stats
         metrics = val_metrics(self, net)  # at the largest batch that fits: sync points
         self.update_best(metrics)
+        earlystop.check(self, metrics)  # the same decision on every rank: no collective
         if d.is_master:
             self.log.write({"kind": "val", "step": s.step, "epoch": s.epoch, **metrics,
                             "time_s": s.elapsed_s + time.perf_counter() - self.t_start})

@@ -46,7 +46,9 @@ STAGES = [s["name"] for s in config["stages"]]
 PACKAGE = Path(workflow.basedir) / "src" / "ddpflow"
 # the image of every rule that runs ddpflow's work, for `--sdm apptainer`; only with engine
 # none (the docker/podman/apptainer engines run the container from inside the rule)
-CONTAINER = config["container"]["uri"] if config["container"]["engine"] == "none" else None
+CONTAINER = (
+    config["container"]["uri"] if config["container"]["engine"] == "none" else None
+)
 STAGE_PATTERN = "|".join(re.escape(s) for s in STAGES)
 
 

@@ -1,0 +1,82 @@
+"""The training recipe's options: early stopping and time-to-target (`stages[].stop`)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ddpflow, tiny_config, write_config
+from ddpflow import earlystop
+from ddpflow.errors import UserError
+
+
+def _trainer(stop: dict, monitor=("val_acc", "max")):
+    """What earlystop.check reads of a trainer: the stage's stop settings and its state."""
+    state = SimpleNamespace(stop={}, step=0, epoch=0, elapsed_s=0.0, wall_s={})
+    said = []
+    t = SimpleNamespace(st=SimpleNamespace(name="s1", stop=stop), state=state,
+                        monitor=monitor[0], mode=monitor[1], task=SimpleNamespace(
+                            maximize=("acc",)), t_start=0.0, clock=SimpleNamespace(t0=0.0),
+                        cfg=SimpleNamespace(stage_index=lambda n: 0,
+                                            task=SimpleNamespace(name="classification")),
+                        say=said.append)
+    return t, said
+
+
+def _feed(t, values, key="val_acc"):
+    for i, v in enumerate(values):
+        t.state.step, t.state.epoch = 10 * (i + 1), i
+        if earlystop.check(t, {key: v, "val_loss": 1 - v}):
+            return i + 1
+    return None
+
+
+def test_patience_counts_validations_without_a_new_best():
+    t, said = _trainer({"monitor": None, "patience": 2, "target": None})
+    assert _feed(t, [0.5, 0.6, 0.6, 0.55, 0.9]) == 4  # 0.6 and 0.55 do not beat 0.6
+    assert t.state.stop["stopped"]["step"] == 40 and "patience 2" in said[0]
+    # a minimized monitor of the user's choice: val_loss must fall
+    t, _ = _trainer({"monitor": "val_loss", "patience": 1, "target": None})
+    assert _feed(t, [0.5, 0.6, 0.7]) is None and t.state.stop["bad_validations"] == 0
+    assert _feed(t, [0.7]) == 1  # loss 0.3 again: no new best
+    # a target that is reached: recorded once, with its step
+    t, _ = _trainer({"monitor": None, "patience": None, "target": 0.7})
+    assert _feed(t, [0.5, 0.71, 0.9]) == 2
+    assert t.state.stop["target"]["step"] == 20 and t.state.stop["target"]["value"] == 0.71
+    # off: never stops, keeps no state
+    t, _ = _trainer({"monitor": None, "patience": None, "target": None})
+    assert _feed(t, [0.5, 0.4, 0.3]) is None and t.state.stop == {}
+    t, _ = _trainer({"monitor": "val_f1", "patience": 1, "target": None})
+    with pytest.raises(UserError, match="stop.monitor val_f1 is not a validation metric"):
+        _feed(t, [0.5])
+
+
+@pytest.mark.slow
+def test_a_stage_stops_at_its_target_and_records_the_time(tmp_path):
+    cfg = tiny_config(tmp_path, stages=[
+        {"name": "s1", "epochs": 8, "batch_size": 32, "lr": 0.05,
+         "stop": {"target": 0.5}},
+        {"name": "s2", "epochs": 1, "batch_size": 32, "lr": 0.01, "init_from": "previous"}])
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    assert "stopping early" in proc.stderr
+    s = json.loads((tmp_path / "results/t/stages/s1/summary.json").read_text())
+    assert s["finished"] and s["epochs"] < 8 and s["steps"] == 16 * s["epochs"]
+    assert s["early_stop"]["step"] == s["steps"] and "reached the target 0.5" in s[
+        "early_stop"]["reason"]
+    assert s["target"]["value"] >= 0.5 and s["final_val_acc"] == s["target"]["value"]
+    assert 0 < s["target"]["train_time_s"] <= s["time_to_target_s"] <= s["wall_time_s"]
+    assert (tmp_path / "results/t/stages/s1/final.pt").is_file()
+    # a relaunch has nothing to do; the next stage starts from the stopped weights
+    again = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
+    assert "nothing to do" in again.stderr + again.stdout
+    ddpflow("launch", "--config", p, "--stage", "s2", check=True)
+    out = ddpflow("collect", "--config", p, check=True)
+    assert "target reached after" in out.stdout
+    rows = list(csv.DictReader(open(tmp_path / "results/t/summary/summary.csv")))
+    assert float(rows[0]["time_to_target_s"]) == s["time_to_target_s"]
+    assert "reached the target" in rows[0]["early_stop"] and rows[1]["early_stop"] == ""
