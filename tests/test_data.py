@@ -14,6 +14,7 @@ from ddpflow.config import from_dict
 from ddpflow.data import prepared
 from ddpflow.data.imagefolder import stratified_split
 from ddpflow.data.loaders import Normalize, TrainBatches
+from ddpflow.data.mixing import Recipe
 from ddpflow.data.prepare import prepare
 from fixtures import cifar_archive, idx_files, image_tree
 
@@ -180,25 +181,27 @@ def test_stratified_split_is_reproducible():
     assert not set(a[0]) & set(a[1]) and len(a[0]) + len(a[1]) == 100
 
 
-def _batches(meta, arrays, kind, rank, workers=0):
+def _batches(meta, arrays, kind, rank, workers=0, recipe=None):
     cfg = from_dict({"stages": [{"name": "s"}]})
     norm = Normalize(meta["mean"], meta["std"], torch.device("cpu"), 3, False)
     trace = io.StringIO()
     tb = TrainBatches(kind, *arrays["train"], 32, torch.device("cpu"), 2, rank, 0,
-                      cfg.data.augment, norm, num_workers=workers, trace=trace)
+                      cfg.data.augment, norm, num_workers=workers, trace=trace, recipe=recipe)
     out = [(x.clone(), y.clone()) for x, y in tb.epoch(1)]
     idx = [int(i) for line in trace.getvalue().splitlines() for i in line.split()[2:]]
     resumed = [(x, y) for x, y in tb.epoch(1, start_step=3)]
     return out, idx, resumed
 
 
-def test_both_loaders_same_batches_disjoint_ranks(tmp_path):
+@pytest.mark.parametrize("recipe", [None, Recipe(0.5, 0.2, 1.0, num_classes=10)],
+                         ids=["crop-flip", "erasing-mixup-cutmix"])
+def test_both_loaders_same_batches_disjoint_ranks(tmp_path, recipe):
     cfg = from_dict(tiny_config(tmp_path))
     prepare(cfg)
     meta, arrays = prepared.load(cfg.data_dir)
-    dev0, idx0, res0 = _batches(meta, arrays, "device", 0)
-    dev1, idx1, _ = _batches(meta, arrays, "device", 1)
-    dl0, idx_dl, res_dl = _batches(meta, arrays, "dataloader", 0, workers=2)
+    dev0, idx0, res0 = _batches(meta, arrays, "device", 0, recipe=recipe)
+    dev1, idx1, _ = _batches(meta, arrays, "device", 1, recipe=recipe)
+    dl0, idx_dl, res_dl = _batches(meta, arrays, "dataloader", 0, workers=2, recipe=recipe)
     assert not set(idx0) & set(idx1) and len(idx0) == len(idx1) == 512
     assert idx_dl == idx0
     assert len(dev0) == len(dl0) == 16
@@ -211,6 +214,9 @@ def test_both_loaders_same_batches_disjoint_ranks(tmp_path):
     assert len(res_dl) == len(res0) == 13
     for (xa, ya), (xb, yb) in zip(res0, res_dl):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    if recipe:  # soft targets: a probability per class, mixed from two labels
+        y = dev0[0][1]
+        assert y.shape == (32, 10) and torch.allclose(y.sum(1), torch.ones(32))
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The training recipe's options: early stopping and time-to-target (`stages[].stop`)."""
+"""The training recipe's options: random erasing, mixup and cutmix (batched on the device),
+early stopping and time-to-target (`stages[].stop`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,45 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import ddpflow, tiny_config, write_config
 from ddpflow import earlystop
+from ddpflow.config import from_dict
+from ddpflow.data.mixing import Recipe, mix, random_erase
 from ddpflow.errors import UserError
+
+
+def test_erasing_mixup_and_cutmix_on_a_batch():
+    x = torch.randn(8, 3, 16, 16) + 5.0  # no value is 0 before erasing
+    g = torch.Generator().manual_seed(0)
+    erased = random_erase(x, 1.0, g)
+    holes = erased == 0
+    assert all(holes[i].any() for i in range(8))  # p = 1: one box in every image
+    assert all(holes[i].float().mean() <= 0.34 for i in range(8))  # at most a third
+    assert torch.equal(random_erase(x, 0.0, g), x)
+    y = torch.arange(8) % 4
+    mixed, soft = mix(x, y, Recipe(mixup_alpha=0.4, num_classes=4), (0, 1, 2, 3))
+    lam = float(soft[0, y[0]]) if y[0] != y[7] else None
+    assert torch.allclose(soft.sum(1), torch.ones(8))
+    if lam is not None:
+        torch.testing.assert_close(mixed[0], x[0] * lam + x[7] * (1 - lam))
+    again, soft2 = mix(x, y, Recipe(mixup_alpha=0.4, num_classes=4), (0, 1, 2, 3))
+    assert torch.equal(again, mixed) and torch.equal(soft2, soft)  # seeded by position
+    cut, soft = mix(x, y, Recipe(cutmix_alpha=1.0, num_classes=4), (0, 1, 2, 4))
+    pasted = (cut != x).any(1).float().mean(dim=(1, 2))  # share of pixels from the partner
+    kept = float(soft[0, y[0]])  # y[0] = 0 and y[7] = 3 differ
+    assert abs((1 - pasted[0].item()) - kept) < 1e-6
+
+
+def test_recipe_options_that_cannot_apply_are_one_message():
+    base = {"stages": [{"name": "a", "mixup_alpha": 0.2}]}
+    with pytest.raises(UserError, match="stages.0.mixup_alpha mixes labels, which only task "
+                                        "classification takes"):
+        from_dict({**base, "task": "regression"})
+    with pytest.raises(UserError, match="stages.0.random_erasing acts on prepared arrays"):
+        from_dict({"data": {"source": "python", "factory": "m:f"},
+                   "stages": [{"name": "a", "random_erasing": 0.5}]})
 
 
 def _trainer(stop: dict, monitor=("val_acc", "max")):
@@ -59,7 +95,9 @@ def test_a_stage_stops_at_its_target_and_records_the_time(tmp_path):
     cfg = tiny_config(tmp_path, stages=[
         {"name": "s1", "epochs": 8, "batch_size": 32, "lr": 0.05,
          "stop": {"target": 0.5}},
-        {"name": "s2", "epochs": 1, "batch_size": 32, "lr": 0.01, "init_from": "previous"}])
+        # the next stage trains with soft targets: erasing, mixup and cutmix
+        {"name": "s2", "epochs": 1, "batch_size": 32, "lr": 0.01, "init_from": "previous",
+         "random_erasing": 0.25, "mixup_alpha": 0.2, "cutmix_alpha": 1.0}])
     p = write_config(tmp_path, cfg)
     ddpflow("prepare", "--config", p, check=True)
     proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)

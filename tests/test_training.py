@@ -103,7 +103,10 @@ def test_two_stages_chain(tmp_path):
 
 
 def test_exact_resume_is_bit_identical(tmp_path):
-    stage = {"name": "s1", "max_steps": 24, "batch_size": 32, "lr": 0.05, "warmup_epochs": 0.5}
+    # with the recipe on: erasing, mixup, cutmix and the EMA of the weights resume exactly too
+    stage = {"name": "s1", "max_steps": 24, "batch_size": 32, "lr": 0.05, "warmup_epochs": 0.5,
+             "random_erasing": 0.25, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
+             "ema": {"decay": 0.9, "every_steps": 2}}
     base = dict(deterministic=True, stages=[stage], checkpoint={"every_steps": 0})
     straight = tmp_path / "straight"
     resumed = tmp_path / "resumed"
@@ -118,13 +121,17 @@ def test_exact_resume_is_bit_identical(tmp_path):
     assert not (stage_dir(resumed, "s1") / "final.pt").exists()
     proc = ddpflow("launch", "--config", resumed / "config.yaml", "--stage", "s1", check=True)
     assert "resumed from ckpt-000000010.pt" in proc.stderr
-    a = weights(stage_dir(straight, "s1") / "final.pt")
-    b = weights(stage_dir(resumed, "s1") / "final.pt")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    fa = torch.load(stage_dir(straight, "s1") / "final.pt", weights_only=True)
+    fb = torch.load(stage_dir(resumed, "s1") / "final.pt", weights_only=True)
+    assert fa["weights"] == fb["weights"] == "ema"  # the average is handed on
+    for part in ("model", "model_raw"):
+        a, b = fa[part], fb[part]
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (part, k)
     ra, rb = records(straight, "s1"), records(resumed, "s1")
-    key = ("kind", "step", "epoch", "loss", "lr", "val_loss", "val_acc")
+    key = ("kind", "step", "epoch", "loss", "lr", "val_loss", "val_acc", "val_raw_acc")
+    assert all("val_raw_acc" in r for r in ra if r["kind"] == "val")
     assert [{k: r.get(k) for k in key} for r in ra] == [{k: r.get(k) for k in key} for r in rb]
     assert summary(straight, "s1")["final_val_acc"] == summary(resumed, "s1")["final_val_acc"]
 

@@ -204,6 +204,10 @@ class StageCfg:
     freeze: tuple[str, ...] | None  # parameter name prefixes frozen here (None = model.freeze)
     validate_every_epochs: int  # epochs between validations (the last is always validated)
     stop: dict  # {monitor, patience, target}: early stopping and time-to-target (earlystop.py)
+    random_erasing: float  # probability per training image of one erased box
+    mixup_alpha: float  # Beta(alpha, alpha) mixing of image pairs and labels; 0 = off
+    cutmix_alpha: float  # the same with a pasted box; both on: one of them per batch
+    ema: dict  # {decay, every_steps}: EMA of the weights, validated and handed on (ema.py)
 
 
 @dataclass(frozen=True)
@@ -363,7 +367,23 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
                         "stage; use null or a path to weights")
     _check_sources(d)
     _check_endpoints(d)
+    _check_recipe(d)
     return d
+
+
+def _check_recipe(d: dict[str, Any]) -> None:
+    """Batch-level options need labels to mix and prepared arrays to act on."""
+    for i, st in enumerate(d["stages"]):
+        used = [k for k in ("random_erasing", "mixup_alpha", "cutmix_alpha") if st[k]]
+        mixing = [k for k in used if k != "random_erasing"]
+        if mixing and d["task"]["name"] != "classification":
+            raise UserError(f"invalid config: stages.{i}.{mixing[0]} mixes labels, which only "
+                            f"task classification takes (task.name is "
+                            f"{d['task']['name']}); set it to 0")
+        if used and d["data"]["source"] == "python" and not d["data"]["materialize"]:
+            raise UserError(f"invalid config: stages.{i}.{used[0]} acts on prepared arrays; "
+                            f"a data.source python dataset does its own transforms (or set "
+                            f"data.materialize: true)")
 
 
 def _check_endpoints(d: dict[str, Any]) -> None:

@@ -26,15 +26,18 @@ class Saver:
         t = self.t
         self.writer.wait()  # the previous write is done: its host buffers are free
         model = self.host_copy(unwrap(t.model).state_dict(), "model")
+        ema = self.host_copy(t.ema.weights(), "ema") if t.ema else None
         state = self.host_copy(checkpoint_state(t, gathered), "state") if ckpt else None
         self.host_copy.finish()  # sync point (GPU): the copies have landed
-        self.writer.submit(self._write, model, state, best)
+        self.writer.submit(self._write, model, ema, state, best)
 
-    def _write(self, model: dict, state: dict | None, best: dict | None) -> None:
-        if best is not None:
-            write_best(self.t, model, best)
+    def _write(self, model: dict, ema: dict | None, state: dict | None,
+               best: dict | None) -> None:
+        if best is not None:  # the weights the stage hands on: the EMA's when it is on
+            write_best(self.t, model, best, ema)
         if state is not None:
-            checkpoint.save(self.t.ckpt_dir, state["step"], {"model": model, **state},
+            extra = {"ema": ema, "ema_updates": self.t.ema.updates()} if ema is not None else {}
+            checkpoint.save(self.t.ckpt_dir, state["step"], {"model": model, **extra, **state},
                             self.t.cfg.checkpoint.keep_last)
 
     def wait(self) -> None:

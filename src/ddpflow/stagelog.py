@@ -57,6 +57,7 @@ def stage_summary(t) -> dict:
         "best_val_acc": best.get("val_acc"), "best_val_loss": best.get("val_loss"),
         "best_step": s.best.get("step"),
         **earlystop.summary(t),  # early_stop (why, or None), target and time_to_target_s
+        "weights": "ema" if t.ema else "raw",  # what final.pt/best.pt's "model" holds
         "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
         # from the command to the result, all runs of the stage (the launcher adds its end)
         "wall_time_s": wall["total_s"], "wall": wall,
@@ -98,16 +99,24 @@ def write_failure(t) -> None:
                                           "step": t.state.step, "record": t.record})
 
 
+def handed_on(model: dict, ema: dict | None) -> dict:
+    """"model" is what the stage hands on (the EMA's weights when stages[].ema is on, then
+    the trained ones as "model_raw"); "weights" says which."""
+    if ema is None:
+        return {"model": model, "weights": "raw"}
+    return {"model": ema, "weights": "ema", "model_raw": model}
+
+
 def write_final(t) -> str:
     """final.pt (the weights, config and record); returns its SHA-256."""
     return checkpoint.save_file(t.out / "final.pt", {
-        "model": unwrap(t.model).state_dict(), "config": t.cfg.to_dict(),
-        "step": t.state.step, "record": t.record})
+        **handed_on(unwrap(t.model).state_dict(), t.ema.weights() if t.ema else None),
+        "config": t.cfg.to_dict(), "step": t.state.step, "record": t.record})
 
 
-def write_best(t, model: dict, best: dict) -> None:
-    """best.pt: the weights (`model`, a state dict) of the best validation result so far by
-    task.monitor (`best`: TrainState.best when they were copied)."""
+def write_best(t, model: dict, best: dict, ema: dict | None = None) -> None:
+    """best.pt: the weights (`model`, a state dict; `ema`, the average's) of the best
+    validation result so far by task.monitor (`best`: TrainState.best when copied)."""
     checkpoint.save_file(t.out / "best.pt", {
-        "model": model, "config": t.cfg.to_dict(), "step": best["step"],
+        **handed_on(model, ema), "config": t.cfg.to_dict(), "step": best["step"],
         "monitor": t.monitor, "value": best["value"], "record": t.record})

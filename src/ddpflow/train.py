@@ -25,8 +25,10 @@ from tqdm import tqdm
 from . import checkpoint, distributed, earlystop, lazydynamo, runtime, stopflag
 from .config import Config, config_hash
 from .data import prepared
+from .data.mixing import Recipe
 from .data.pipeline import close_workers, open_pipeline
 from .efficiency import FlopCount, GpuSampler, peak_flops
+from .ema import open_ema
 from .errors import UserError
 from .metrics import MetricsLog
 from .models import build_model, forward, input_channels, param_count, unwrap
@@ -103,7 +105,9 @@ class Trainer:
         self.meta = prepared.read_meta(cfg.data_dir) or prepared.load(cfg.data_dir)[0]
         self.data = open_pipeline(cfg, d, self.meta, self.batch_size, self.tuned,
                                   lambda c: input_channels(cfg.model.name, c),
-                                  self.channels_last, trace=trace_file(d.rank))
+                                  self.channels_last, trace=trace_file(d.rank),
+                                  recipe=Recipe(st.random_erasing, st.mixup_alpha,
+                                                st.cutmix_alpha))
         self.say(f"loader: {self.data.kind} ({self.data.reason})")
         self.clock.mark("data")
         self.accum = st.grad_accum_steps
@@ -135,6 +139,7 @@ class Trainer:
         # DDP across ranks (DataParallel for strategy dp, a baseline only)
         self.model = model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn)
         self.train_model = torch.compile(model) if self.compile else model
+        self.ema = open_ema(st, unwrap(model))  # None unless stages[].ema.decay is set
 
     def build_optimizer(self) -> None:
         st, d = self.st, self.d
@@ -160,6 +165,8 @@ class Trainer:
             self.opt.load_state_dict(saved["optimizer"])
             self.sched.load_state_dict(saved["scheduler"])
             self.scaler.load_state_dict(saved["scaler"])
+            if self.ema:
+                self.ema.load(saved["ema"], saved["ema_updates"])
             self.state = TrainState.from_checkpoint(saved)
             if len(saved["rng"]) == d.world:
                 distributed.set_rng_state(saved["rng"][d.rank], d.device)
@@ -297,6 +304,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         s.step += 1
+        if self.ema:
+            self.ema.update(unwrap(model), s.step)
         s.loss_count += 1
         self.step_dev += 1
         self.in_epoch += 1
@@ -357,6 +366,11 @@ class Trainer:
         net = unwrap(self.train_model).eval()  # plain module: ranks see different counts
         distributed.broadcast_buffers(d, net)  # every rank validates with rank 0's BN stats
         metrics = val_metrics(self, net)  # at the largest batch that fits: sync points
+        if self.ema:  # the average is what the stage hands on; the trained weights as raw
+            raw = metrics
+            distributed.broadcast_buffers(d, self.ema.module)  # rank 0's, as saved
+            metrics = val_metrics(self, self.ema.module.eval())
+            metrics.update({f"val_raw_{k[4:]}": v for k, v in raw.items()})
         self.update_best(metrics)
         earlystop.check(self, metrics)  # the same decision on every rank: no collective
         if d.is_master:

@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..config import Augment
 from ..errors import UserError
+from .mixing import Recipe
+from .mixing import apply as apply_recipe
 
 
 class EpochSampler(DistributedSampler):
@@ -118,8 +120,9 @@ class TrainBatches:
 
     def __init__(self, kind, images, labels, batch_size, device, world, rank, seed, aug,
                  normalize, num_workers=0, pin_memory=False, persistent_workers=False,
-                 prefetch_factor=2, trace=None):
+                 prefetch_factor=2, trace=None, recipe: Recipe | None = None):
         self.trace = trace  # optional text file: "epoch step idx..." per batch (an audit)
+        self.recipe = recipe if recipe is not None and recipe.active else None
         self.kind, self.batch_size, self.device = kind, batch_size, device
         self.rank, self.seed, self.aug, self.normalize = rank, seed, aug, normalize
         self.sampler = EpochSampler(len(labels), world, rank, seed)
@@ -153,7 +156,10 @@ class TrainBatches:
             if self.trace:
                 self.trace.write(f"{epoch} {step} {' '.join(map(str, idx.tolist()))}\n")
             g = step_generator(self.device, self.seed, epoch, step, self.rank)
-            yield self.normalize(augment(x, self.aug, g)), y
+            x = self.normalize(augment(x, self.aug, g))
+            if self.recipe:  # random erasing, mixup/cutmix of this stage (mixing.py)
+                x, y = apply_recipe(x, y, self.recipe, g, (self.seed, epoch, step, self.rank))
+            yield x, y
 
 
 def forever(make_epoch):

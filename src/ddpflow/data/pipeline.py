@@ -12,11 +12,12 @@ resumable `EpochSampler` order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from . import factory, prepared
 from .loaders import Normalize, TrainBatches, choose_loader, val_batches
+from .mixing import Recipe
 
 
 @dataclass
@@ -40,8 +41,9 @@ def close_workers(batches) -> None:
 
 def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                   model_channels: Callable[[int], int], channels_last: bool,
-                  trace=None) -> Pipeline:
-    """`model_channels(data_channels)`: the channels the model wants (torchvision: 3)."""
+                  trace=None, recipe: Recipe | None = None) -> Pipeline:
+    """`model_channels(data_channels)`: the channels the model wants (torchvision: 3);
+    `recipe`: the stage's batch-level options (erasing, mixup, cutmix)."""
     if meta.get("kind") == "python":
         return _user_dataset(cfg, d, meta, batch_size, trace)
     _, arrays = prepared.load(cfg.data_dir)
@@ -59,7 +61,8 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                           channels_last)
     train = TrainBatches(kind, train_x, train_y, batch_size, d.device, d.world, d.rank,
                          cfg.seed, cfg.data.augment, normalize, workers, cfg.data.pin_memory,
-                         cfg.data.persistent_workers, prefetch, trace=trace)
+                         cfg.data.persistent_workers, prefetch, trace=trace,
+                         recipe=recipe and replace(recipe, num_classes=meta["num_classes"]))
 
     val = val_batches(val_x, val_y, d.device, d.world, d.rank, normalize,
                       resident=kind == "device")
