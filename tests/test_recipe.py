@@ -13,7 +13,7 @@ import torch
 from conftest import ddpflow, tiny_config, write_config
 from ddpflow import earlystop
 from ddpflow.config import from_dict
-from ddpflow.data.mixing import Recipe, mix, random_erase
+from ddpflow.data.mixing import Recipe, mix, progressive_sizes, random_erase, resize
 from ddpflow.errors import UserError
 
 
@@ -37,6 +37,14 @@ def test_erasing_mixup_and_cutmix_on_a_batch():
     pasted = (cut != x).any(1).float().mean(dim=(1, 2))  # share of pixels from the partner
     kept = float(soft[0, y[0]])  # y[0] = 0 and y[7] = 3 differ
     assert abs((1 - pasted[0].item()) - kept) < 1e-6
+
+
+def test_progressive_sizes_grow_linearly_to_the_end_size():
+    size_at = progressive_sizes({"start_size": 12, "end_size": 16}, 5)
+    assert [size_at(e) for e in range(6)] == [12, 13, 14, 15, 16, 16]
+    assert progressive_sizes({"start_size": 24, "end_size": 32}, 1)(0) == 24
+    x = torch.randn(2, 3, 16, 16)
+    assert resize(x, 12).shape == (2, 3, 12, 12) and resize(x, 16) is x
 
 
 def test_recipe_options_that_cannot_apply_are_one_message():
@@ -94,7 +102,7 @@ def test_patience_counts_validations_without_a_new_best():
 def test_a_stage_stops_at_its_target_and_records_the_time(tmp_path):
     cfg = tiny_config(tmp_path, stages=[
         {"name": "s1", "epochs": 8, "batch_size": 32, "lr": 0.05,
-         "stop": {"target": 0.5}},
+         "stop": {"target": 0.5}, "progressive_resize": {"start_size": 12, "end_size": 16}},
         # the next stage trains with soft targets: erasing, mixup and cutmix
         {"name": "s2", "epochs": 1, "batch_size": 32, "lr": 0.01, "init_from": "previous",
          "random_erasing": 0.25, "mixup_alpha": 0.2, "cutmix_alpha": 1.0}])
@@ -102,6 +110,7 @@ def test_a_stage_stops_at_its_target_and_records_the_time(tmp_path):
     ddpflow("prepare", "--config", p, check=True)
     proc = ddpflow("launch", "--config", p, "--stage", "s1", check=True)
     assert "stopping early" in proc.stderr
+    assert "epoch 0: training images at 12 px" in proc.stderr  # progressive resizing
     s = json.loads((tmp_path / "results/t/stages/s1/summary.json").read_text())
     assert s["finished"] and s["epochs"] < 8 and s["steps"] == 16 * s["epochs"]
     assert s["early_stop"]["step"] == s["steps"] and "reached the target 0.5" in s[

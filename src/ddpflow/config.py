@@ -208,6 +208,7 @@ class StageCfg:
     mixup_alpha: float  # Beta(alpha, alpha) mixing of image pairs and labels; 0 = off
     cutmix_alpha: float  # the same with a pasted box; both on: one of them per batch
     ema: dict  # {decay, every_steps}: EMA of the weights, validated and handed on (ema.py)
+    progressive_resize: dict | None  # {start_size, end_size}: training size per epoch
 
 
 @dataclass(frozen=True)
@@ -374,8 +375,9 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
 def _check_recipe(d: dict[str, Any]) -> None:
     """Batch-level options need labels to mix and prepared arrays to act on."""
     for i, st in enumerate(d["stages"]):
-        used = [k for k in ("random_erasing", "mixup_alpha", "cutmix_alpha") if st[k]]
-        mixing = [k for k in used if k != "random_erasing"]
+        used = [k for k in ("random_erasing", "mixup_alpha", "cutmix_alpha",
+                            "progressive_resize") if st[k]]
+        mixing = [k for k in used if k in ("mixup_alpha", "cutmix_alpha")]
         if mixing and d["task"]["name"] != "classification":
             raise UserError(f"invalid config: stages.{i}.{mixing[0]} mixes labels, which only "
                             f"task classification takes (task.name is "

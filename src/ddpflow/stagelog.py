@@ -120,3 +120,25 @@ def write_best(t, model: dict, best: dict, ema: dict | None = None) -> None:
     checkpoint.save_file(t.out / "best.pt", {
         **handed_on(model, ema), "config": t.cfg.to_dict(), "step": best["step"],
         "monitor": t.monitor, "value": best["value"], "record": t.record})
+
+
+def write_results(t) -> None:
+    """Rank 0 at the stage's end: failed.json, or final.pt and summary.json (only for a
+    finished stage), after the last background save; the trackers get the end."""
+    t.log.close()
+    if not t.diverged and not t.halted:
+        t.final_sha = write_final(t)  # while the last checkpoint is being written
+    t.clock.lap("teardown")
+    t.saver.wait()  # the last save is complete before the stage ends or stops
+    t.clock.lap("checkpoint")
+    if t.diverged:
+        write_failure(t)
+        t.say(f"stopped: {t.diverged}")
+    elif not t.halted:
+        summary = stage_summary(t)
+        if t.trackers:
+            t.trackers.stage_end(t.cfg.to_dict(), summary["final_metrics"],
+                                 [t.out / "summary.json", t.out / "metrics.jsonl"])
+        t.say(f"done: {t.out / 'summary.json'}")
+    if t.trackers:  # event files complete, MLflow run ended when the stage ends
+        t.trackers.close("FAILED" if t.diverged else "KILLED" if t.halted else "FINISHED")

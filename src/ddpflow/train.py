@@ -25,7 +25,7 @@ from tqdm import tqdm
 from . import checkpoint, distributed, earlystop, lazydynamo, runtime, stopflag
 from .config import Config, config_hash
 from .data import prepared
-from .data.mixing import Recipe
+from .data.mixing import Recipe, progressive_sizes
 from .data.pipeline import close_workers, open_pipeline
 from .efficiency import FlopCount, GpuSampler, peak_flops
 from .ema import open_ema
@@ -36,12 +36,12 @@ from .profiling import open_profiler
 from .provenance import init_source, make_record
 from .runtime import StopPoll, build_optimizer, lr_factor, mixed_precision, schedule, trace_file
 from .saver import Saver
-from .stagelog import interval_record, stage_summary, write_failure, write_final
+from .stagelog import interval_record, write_results
 from .tasks import build_task, check_loss, improves, monitor
 from .tracking import open_trackers
 from .tune import stage_settings
 from .userimport import add_code_dirs
-from .validation import VAL_BATCH_FACTOR, val_metrics
+from .validation import VAL_BATCH_FACTOR, stage_metrics
 from .wallclock import WallClock, process_start
 from .weights import start_weights
 
@@ -117,6 +117,9 @@ class Trainer:
                             f"{d.world} ranks x {self.accum} accumulation exceeds the "
                             f"{self.data.train_samples} training samples; lower the batch size")
         self.total_steps = st.max_steps or st.epochs * self.steps_per_epoch
+        if st.progressive_resize:  # training size per epoch; validation keeps its size
+            self.data.train.size_at = progressive_sizes(
+                st.progressive_resize, -(-self.total_steps // self.steps_per_epoch))
         self.global_batch = self.batch_size * d.world * self.accum
         self.val_batch = VAL_BATCH_FACTOR * self.batch_size  # per rank; halved on a GPU OOM
         self.build_model()
@@ -244,6 +247,9 @@ class Trainer:
         self.train_model.train()
         self.interval = [time.perf_counter(), 0.0, 0]  # start, data wait (s), steps
         it = self.data.train.epoch(s.epoch, s.step_in_epoch)
+        if self.st.progressive_resize:  # another image size: count the FLOPs again
+            self.flops_per_micro = None
+            self.say(f"epoch {s.epoch}: training images at {self.data.train.size_at(s.epoch)} px")
         s.step_in_epoch = 0
         while self.in_epoch < self.steps_per_epoch and s.step < self.total_steps:
             self.train_step(it)
@@ -363,14 +369,7 @@ class Trainer:
         decides best.pt."""
         d, s = self.d, self.state
         self.clock.lap("train", sync=d.device)  # sync point: queued steps count as training
-        net = unwrap(self.train_model).eval()  # plain module: ranks see different counts
-        distributed.broadcast_buffers(d, net)  # every rank validates with rank 0's BN stats
-        metrics = val_metrics(self, net)  # at the largest batch that fits: sync points
-        if self.ema:  # the average is what the stage hands on; the trained weights as raw
-            raw = metrics
-            distributed.broadcast_buffers(d, self.ema.module)  # rank 0's, as saved
-            metrics = val_metrics(self, self.ema.module.eval())
-            metrics.update({f"val_raw_{k[4:]}": v for k, v in raw.items()})
+        metrics = stage_metrics(self)  # at the largest batch that fits: sync points
         self.update_best(metrics)
         earlystop.check(self, metrics)  # the same decision on every rank: no collective
         if d.is_master:
@@ -413,26 +412,8 @@ class Trainer:
         # every rank's weights, hashed and gathered: DDP must have kept them identical
         self.weight_hashes = distributed.gather_objects(self.d, runtime.weights_sha256(
             unwrap(self.model)))
-        if not self.d.is_master:
-            return
-        self.log.close()
-        if not self.diverged and not self.halted:
-            self.final_sha = write_final(self)  # while the last checkpoint is being written
-        self.clock.lap("teardown")
-        self.saver.wait()  # the last save is complete before the stage ends or stops
-        self.clock.lap("checkpoint")
-        if self.diverged:
-            write_failure(self)
-            self.say(f"stopped: {self.diverged}")
-        elif not self.halted:
-            summary = stage_summary(self)
-            if self.trackers:
-                self.trackers.stage_end(self.cfg.to_dict(), summary["final_metrics"],
-                                        [self.out / "summary.json", self.out / "metrics.jsonl"])
-            self.say(f"done: {self.out / 'summary.json'}")
-        if self.trackers:  # event files complete, MLflow run ended when the stage ends
-            self.trackers.close("FAILED" if self.diverged else
-                                "KILLED" if self.halted else "FINISHED")
+        if self.d.is_master:
+            write_results(self)  # failed.json, or final.pt and summary.json; trackers closed
 
 
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:

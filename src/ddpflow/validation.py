@@ -8,10 +8,25 @@ from __future__ import annotations
 import torch
 
 from . import distributed
-from .models import forward
+from .models import forward, unwrap
 from .tasks import MetricSums
 
 VAL_BATCH_FACTOR = 4
+
+
+def stage_metrics(t) -> dict[str, float]:
+    """Validation of trainer `t`'s weights: the ones the stage hands on as val_<metric> (the
+    EMA's when stages[].ema is on, then the trained ones as val_raw_<metric>)."""
+    d = t.d
+    net = unwrap(t.train_model).eval()  # plain module: ranks see different counts
+    distributed.broadcast_buffers(d, net)  # every rank validates with rank 0's BN stats
+    metrics = val_metrics(t, net)
+    if t.ema:
+        raw = metrics
+        distributed.broadcast_buffers(d, t.ema.module)  # rank 0's, as saved
+        metrics = val_metrics(t, t.ema.module.eval())
+        metrics.update({f"val_raw_{k[4:]}": v for k, v in raw.items()})
+    return metrics
 
 
 def val_metrics(t, net) -> dict[str, float]:

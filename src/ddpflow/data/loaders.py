@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..config import Augment
 from ..errors import UserError
-from .mixing import Recipe
+from .mixing import Recipe, resize
 from .mixing import apply as apply_recipe
 
 
@@ -123,6 +123,7 @@ class TrainBatches:
                  prefetch_factor=2, trace=None, recipe: Recipe | None = None):
         self.trace = trace  # optional text file: "epoch step idx..." per batch (an audit)
         self.recipe = recipe if recipe is not None and recipe.active else None
+        self.size_at = None  # epoch -> training size (progressive resizing), set by the trainer
         self.kind, self.batch_size, self.device = kind, batch_size, device
         self.rank, self.seed, self.aug, self.normalize = rank, seed, aug, normalize
         self.sampler = EpochSampler(len(labels), world, rank, seed)
@@ -152,11 +153,14 @@ class TrainBatches:
         else:
             triples = ((x.to(self.device, non_blocking=True),
                         y.to(self.device, non_blocking=True), idx) for x, y, idx in self.loader)
+        size = self.size_at(epoch) if self.size_at else None
         for step, (x, y, idx) in enumerate(triples, start=start_step):
             if self.trace:
                 self.trace.write(f"{epoch} {step} {' '.join(map(str, idx.tolist()))}\n")
             g = step_generator(self.device, self.seed, epoch, step, self.rank)
             x = self.normalize(augment(x, self.aug, g))
+            if size:  # progressive resizing: this epoch's training size
+                x = resize(x, size)
             if self.recipe:  # random erasing, mixup/cutmix of this stage (mixing.py)
                 x, y = apply_recipe(x, y, self.recipe, g, (self.seed, epoch, step, self.rank))
             yield x, y

@@ -1,6 +1,6 @@
 """The per-stage recipe options that act on whole training batches on the device, after
 normalisation: random erasing, mixup and cutmix (`stages[].random_erasing`, `mixup_alpha`,
-`cutmix_alpha`).
+`cutmix_alpha`), and progressive resizing (`stages[].progressive_resize`).
 
 Each is one batched tensor operation (no per-sample Python) drawn from the step's generator
 (seeded by seed, epoch, step and rank, see loaders.step_generator), so both loaders give the
@@ -87,3 +87,23 @@ def apply(x: torch.Tensor, y: torch.Tensor, r: Recipe, g: torch.Generator, seed:
     if r.mixup_alpha or r.cutmix_alpha:
         x, y = mix(x, y, r, seed)
     return x, y
+
+
+def progressive_sizes(p: dict, epochs: int):
+    """FFCV-style progressive resizing: the training size of epoch e grows linearly from
+    `start_size` (first epoch) to `end_size` (last epoch); returns epoch -> size."""
+    start, end = p["start_size"], p["end_size"]
+
+    def size_at(epoch: int) -> int:
+        frac = min(epoch, epochs - 1) / max(epochs - 1, 1)
+        return int(round(start + (end - start) * frac))
+
+    return size_at
+
+
+def resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    """A batch resampled to size x size (bilinear, antialiased when shrinking)."""
+    if x.shape[-1] == size and x.shape[-2] == size:
+        return x
+    return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False,
+                         antialias=size < x.shape[-1])
