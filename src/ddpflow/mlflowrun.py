@@ -37,12 +37,9 @@ UNSENT = "mlflow_unsent.jsonl"
 
 
 def available() -> bool:
-    import importlib.util
+    from .tracking import installed
 
-    try:
-        return importlib.util.find_spec("mlflow") is not None
-    except (ImportError, ValueError):
-        return False
+    return installed("mlflow")
 
 
 def check(cfg: Config) -> None:

@@ -31,13 +31,18 @@ TRAIN_SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "perf/
                  "grad_scale": "train/grad_scale"}
 
 
-def tensorboard_available() -> bool:
+def installed(package: str) -> bool:
+    """Whether `package` can be imported here (without importing it: both are slow)."""
     import importlib.util
 
     try:
-        return importlib.util.find_spec("tensorboard") is not None
+        return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
         return False
+
+
+def tensorboard_available() -> bool:
+    return installed("tensorboard")
 
 
 def check(cfg: Config) -> None:
