@@ -5,6 +5,7 @@ the server back) sends what waited."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_mlflow_settings_checked_before_any_job(tmp_path):
         assert not (tmp_path / "results").exists()  # nothing written
 
 
-def test_sweep_trials_nest_under_the_sweeps_run(tmp_path):
+def test_sweep_trials_nest_under_the_sweeps_run(tmp_path, monkeypatch):
     """sweep run -> trial run -> stage run, each id kept in its folder; parallel trials
     share the sweep's one run; the leaderboard finishes it."""
     from mlflow.tracking import MlflowClient
@@ -151,6 +152,7 @@ def test_sweep_trials_nest_under_the_sweeps_run(tmp_path):
     from ddpflow import mlflowrun
     from ddpflow.config import from_dict
 
+    monkeypatch.chdir(tmp_path)  # a SQLite store keeps artifacts in ./mlruns
     db = f"sqlite:///{tmp_path}/mlflow.db"
     root = tmp_path / "results/sw"
     (root / "sweep").mkdir(parents=True)
@@ -183,3 +185,19 @@ def test_sweep_trials_nest_under_the_sweeps_run(tmp_path):
         assert trial.info.run_name.startswith("lr-")
         assert trial.data.tags["mlflow.parentRunId"] == sweep_id
     assert not (tmp_path / "unsent.jsonl").exists()
+
+    # what a stage kept while the server was away, its last line cut short by a kill: the
+    # next collect sends the readable part, says what it skipped, and logs the report
+    trial = trials[0]
+    unsent = trial.stage_dir("a") / mlflowrun.UNSENT
+    unsent.write_text('["metrics", {"step": 5, "ts": 0, "values": {"train/loss": 1.5}}]\n'
+                      '["metrics", {"step": 6, "ts"')
+    report = tmp_path / "report.html"
+    report.write_text("<html></html>")
+    mlflowrun.finish_workflow_run(trial, [report])
+    assert not unsent.exists()
+    trial_run = [r for r in c.search_runs([c.get_experiment_by_name("ddpflow").experiment_id])
+                 if r.info.run_name == trial.run][0]
+    assert "report.html" in {a.path for a in c.list_artifacts(trial_run.info.run_id)}
+    stage_a = json.loads((trial.stage_dir("a") / mlflowrun.RUN_FILE).read_text())["run_id"]
+    assert [m.step for m in c.get_metric_history(stage_a, "train/loss")] == [1, 5]

@@ -33,9 +33,10 @@ def test_tensorboard_and_mlflow_across_stages_and_a_resume(tmp_path):
     ddpflow("prepare", "--config", p, check=True)
     # s1 stops at a checkpoint (step 24), then resumes to the end: points after step 24 of
     # the first run are purged, none is drawn twice
-    ddpflow("launch", "--config", p, "--stage", "s1", "--halt-after-steps", "26")
-    ddpflow("launch", "--config", p, "--stage", "s1", check=True)
-    ddpflow("launch", "--config", p, "--stage", "s2", check=True)
+    # from tmp_path: MLflow's SQLite store keeps artifacts in ./mlruns of the working folder
+    ddpflow("launch", "--config", p, "--stage", "s1", "--halt-after-steps", "26", cwd=tmp_path)
+    ddpflow("launch", "--config", p, "--stage", "s1", check=True, cwd=tmp_path)
+    ddpflow("launch", "--config", p, "--stage", "s2", check=True, cwd=tmp_path)
     tb = tmp_path / "results/t/tensorboard"
     s1, s2 = _scalars(tb / "s1"), _scalars(tb / "s2")
     for tags in (s1, s2):
@@ -61,6 +62,7 @@ def test_tensorboard_and_mlflow_across_stages_and_a_resume(tmp_path):
     assert sorted((k, len(v)) for k, v in named.items()) == [("s1", 1), ("s2", 1), ("t", 1)]
     s1_run = named["s1"][0]
     assert s1_run.info.status == "FINISHED"
+    assert (tmp_path / "mlruns").is_dir()  # summary.json and metrics.jsonl as artifacts
     assert json.loads((tmp_path / "results/t/stages/s1/mlflow.json").read_text())[
         "run_id"] == s1_run.info.run_id
     for tag in ("train/loss", "val/acc"):

@@ -194,6 +194,7 @@ class MlflowStage:
     def __init__(self, cfg: Config, stage: str, offset: int, key: str, resumed: bool,
                  params: dict):
         self.cfg, self.stage, self.offset, self.resumed = cfg, stage, offset, resumed
+        self.artifacts: list[str] = []  # files sent with the end (stage_end)
         folder = cfg.stage_dir(stage)
         if not resumed:  # a fresh start: what an older attempt could not send is dropped,
             (folder / UNSENT).unlink(missing_ok=True)  # as its metrics.jsonl lines are
@@ -224,7 +225,7 @@ class MlflowStage:
         self.artifacts = [str(a) for a in artifacts]
 
     def close(self, status: str) -> None:
-        self.q.put(["end", {"artifacts": getattr(self, "artifacts", []), "status": status}])
+        self.q.put(["end", {"artifacts": self.artifacts, "status": status}])
         self.q.put(None)
         self.thread.join()
 
@@ -234,7 +235,14 @@ def send_unsent(cfg: Config, stage: str) -> bool:
     path = cfg.stage_dir(stage) / UNSENT
     if not path.is_file():
         return True
-    ops = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ops, bad = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            ops.append(json.loads(line))
+        except ValueError:  # a line cut short when the process was killed mid-append
+            bad += bool(line.strip())
+    if bad:
+        warn(f"{path}: {bad} unreadable line(s) skipped (a write cut short)")
     retry = path.with_name(UNSENT + ".retry")
     retry.unlink(missing_ok=True)
     sink = StageSink(cfg, stage, retry)
