@@ -27,6 +27,7 @@ include: "workflow/rules/image.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/tune.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/collect.smk"
 include: "workflow/rules/sweep.smk"
 

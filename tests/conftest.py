@@ -17,7 +17,9 @@ TINY = {
     "run": "t",
     "seed": 0,
     "log_every_steps": 4,
-    "data": {"source": "synthetic", "train_size": 1024, "val_size": 256, "image_size": 16},
+    # difficulty 0: the easy synthetic set, learnt in an epoch (the default is the hard one)
+    "data": {"source": "synthetic", "train_size": 1024, "val_size": 256, "test_size": 256,
+             "image_size": 16, "difficulty": 0},
     "hardware": {"nproc_per_node": 2, "threads_per_rank": 1},
     "checkpoint": {"every_steps": 8, "keep_last": 3},
     "stages": [{"name": "s1", "epochs": 2, "batch_size": 32, "lr": 0.05}],

@@ -21,7 +21,7 @@ def cifar_archive(path: Path, n_per_batch: int = 200, n_test: int = 200, classes
     label_key = b"fine_labels" if cifar100 else b"labels"
 
     def batch(split, i, n):
-        x, y = generate(n, classes, 32, 3, seed, split)
+        x, y = generate(n, classes, 32, 3, seed, split, difficulty=0)
         x = np.roll(x, i, axis=0)  # different content per batch file
         y = np.roll(y, i)
         rows = x.transpose(0, 3, 1, 2).reshape(n, 3072)
@@ -51,7 +51,7 @@ def cifar_archive(path: Path, n_per_batch: int = 200, n_test: int = 200, classes
 def idx_files(folder: Path, n_train=300, n_test=100, gz=True, bad_label=False) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for prefix, n, split in (("train", n_train, "train"), ("t10k", n_test, "val")):
-        x, y = generate(n, 10, 28, 1, 5, split)
+        x, y = generate(n, 10, 28, 1, 5, split, difficulty=0)
         if bad_label:
             y[0] = 12
         img = struct.pack(">HBB", 0, 8, 3) + struct.pack(">III", n, 28, 28) + x.tobytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -12,10 +13,12 @@ import torch
 from conftest import ddpflow, tiny_config, write_config
 from ddpflow.config import from_dict
 from ddpflow.data import prepared
-from ddpflow.data.imagefolder import stratified_split
+from ddpflow.data.archives import read_cifar
 from ddpflow.data.loaders import Normalize, TrainBatches
 from ddpflow.data.mixing import Recipe
 from ddpflow.data.prepare import prepare
+from ddpflow.data.splits import hold_out
+from ddpflow.errors import UserError
 from fixtures import cifar_archive, idx_files, image_tree
 
 
@@ -46,7 +49,8 @@ def test_synthetic_is_deterministic_and_rerun_is_noop(tmp_path):
     raw = tiny_config(tmp_path)
     proc, meta = prepare_ok(tmp_path, raw)
     assert "prepared synthetic" in proc.stdout and "images/s" in proc.stdout
-    assert meta["format_version"] == 1 and meta["counts"]["train"]["total"] == 1024
+    assert meta["format_version"] == 2 and meta["counts"]["train"]["total"] == 1024
+    assert meta["counts"]["val"]["total"] == meta["counts"]["test"]["total"] == 256
     assert len(meta["mean"]) == 3 and set(meta["sha256"]) >= {"train_images.npy"}
     proc2, meta2 = prepare_ok(tmp_path, raw)
     assert "up to date" in proc2.stdout and meta2 == meta
@@ -63,11 +67,22 @@ def test_cifar10_archive_and_checksums(tmp_path):
                   "official MD5", "verify_checksum: false")
     proc, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="cifar10", path=str(arc),
                                               verify_checksum=False))
-    assert meta["counts"]["train"]["total"] == 1000 and meta["counts"]["val"]["total"] == 200
+    # val: 10% of the official training images (stratified); test: the official test batch
+    c = meta["counts"]
+    assert (c["train"]["total"], c["val"]["total"], c["test"]["total"]) == (900, 100, 200)
+    assert "test: the official test set" in meta["split"]
     assert meta["classes"][3] == "class3" and meta["image_shape"] == [32, 32, 3]
     assert all("not checked" in v for v in meta["checksums"].values())
-    x = np.load(tmp_path / "results/t/data/train_images.npy", mmap_mode="r")
-    assert x.dtype == np.uint8 and x.shape == (1000, 32, 32, 3)
+    data = tmp_path / "results/t/data"
+    x = {s: np.load(data / f"{s}_images.npy").reshape(-1, 3072) for s in ("train", "val", "test")}
+    assert x["train"].dtype == np.uint8 and x["train"].shape == (900, 3072)
+    # train + val partition the official training images (as a multiset: no sample in
+    # both, none lost), and test is exactly the official test batch
+    official, _, _ = read_cifar("cifar10", arc, verify=False)
+    rows = {s: Counter(r.tobytes() for r in v) for s, v in x.items()}
+    source = {s: Counter(r.tobytes() for r in official[s][0].reshape(-1, 3072))
+              for s in ("train", "test")}
+    assert rows["train"] + rows["val"] == source["train"] and rows["test"] == source["test"]
 
 
 def test_cifar100_extracted_folder(tmp_path):
@@ -79,7 +94,7 @@ def test_cifar100_extracted_folder(tmp_path):
     _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="cifar100",
                                            path=str(tmp_path / "extracted"),
                                            verify_checksum=False))
-    assert meta["num_classes"] == 20 and meta["counts"]["train"]["total"] == 200
+    assert meta["num_classes"] == 20 and meta["counts"]["train"]["total"] == 180
 
 
 def test_truncated_archive(tmp_path):
@@ -95,8 +110,9 @@ def test_mnist_idx(tmp_path, gz):
     folder = idx_files(tmp_path / "mnist", gz=gz)
     _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="mnist", path=str(folder),
                                            image_size=28, verify_checksum=False))
-    assert meta["image_shape"] == [28, 28, 1] and meta["counts"]["val"]["total"] == 100
-    assert meta["counts"]["train"]["per_class"] == [30] * 10
+    assert meta["image_shape"] == [28, 28, 1] and meta["counts"]["test"]["total"] == 100
+    assert meta["counts"]["train"]["per_class"] == [27] * 10
+    assert meta["counts"]["val"]["per_class"] == [3] * 10
 
 
 def test_fashion_mnist_resized_and_bad_labels(tmp_path):
@@ -127,7 +143,9 @@ def test_imagefolder_modes_broken_files_and_split(tmp_path):
     assert meta["classes"] == ["cat", "dog", "fish"]
     assert len(meta["skipped"]) == 2 and "broken" in proc.stdout
     assert meta["counts"]["val"]["per_class"] == [3, 3, 3]  # 12 per class (+ broken) x 0.25
-    assert meta["image_shape"] == [24, 24, 3]
+    assert meta["counts"]["test"]["per_class"] == [1, 1, 1]  # test_fraction 0.1, held out first
+    # stored at data.store_size (null: 1.15 x image_size for image folders) for crops
+    assert meta["image_shape"] == [28, 28, 3] and meta["store_size"] == 28
     x = np.load(tmp_path / "results/t/data/train_images.npy")
     y = np.load(tmp_path / "results/t/data/train_labels.npy")
     # class colour survives decoding from PNG/JPEG/WebP, grey, RGBA and CMYK files
@@ -143,15 +161,22 @@ def test_imagefolder_too_many_bad_files_and_grayscale(tmp_path):
     ok.mkdir()
     _, meta = prepare_ok(ok, cfg_for(ok, source="imagefolder", path=str(root), grayscale=True,
                                      max_bad_fraction=0.5, prepare_workers=1))
-    assert meta["image_shape"] == [32, 32, 1]
+    assert meta["image_shape"] == [37, 37, 1]
 
 
-def test_imagefolder_explicit_val_folder(tmp_path):
+def test_imagefolder_explicit_val_and_test_folders(tmp_path):
     image_tree(tmp_path / "ds/train", per_class=6)
     image_tree(tmp_path / "ds/val", per_class=2)
     _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="imagefolder",
                                            path=str(tmp_path / "ds")))
-    assert meta["counts"]["val"]["per_class"] == [2, 2, 2] and "explicit" in meta["split"]
+    c = meta["counts"]
+    assert c["val"]["per_class"] == [2, 2, 2] and "val: ds/val/" in meta["split"]
+    assert c["test"]["per_class"] == [1, 1, 1] and c["train"]["per_class"] == [5, 5, 5]
+    image_tree(tmp_path / "ds/test", per_class=3)
+    _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="imagefolder",
+                                           path=str(tmp_path / "ds")))
+    c = meta["counts"]
+    assert c["test"]["per_class"] == [3, 3, 3] and c["train"]["per_class"] == [6, 6, 6]
 
 
 @pytest.mark.parametrize("make, needle", [
@@ -172,36 +197,47 @@ def test_missing_cifar_path(tmp_path):
 
 def test_stratified_split_is_reproducible():
     labels = np.repeat(np.arange(4), [10, 20, 30, 40])
-    a = stratified_split(labels, 0.1, seed=7)
-    b = stratified_split(labels, 0.1, seed=7)
-    c = stratified_split(labels, 0.1, seed=8)
+    a = hold_out(labels, 0.1, seed=7)
+    b = hold_out(labels, 0.1, seed=7)
+    c = hold_out(labels, 0.1, seed=8)
     assert all(np.array_equal(u, v) for u, v in zip(a, b))
     assert not np.array_equal(a[1], c[1])
     assert np.bincount(labels[a[1]]).tolist() == [1, 2, 3, 4]
     assert not set(a[0]) & set(a[1]) and len(a[0]) + len(a[1]) == 100
+    # a class too small to keep training images once its val share is held out
+    with pytest.raises(UserError, match="leaves class 'b' \\(1 image"):
+        hold_out(np.array([0, 0, 0, 1]), 0.2, seed=0, classes=["a", "b"])
 
 
-def _batches(meta, arrays, kind, rank, workers=0, recipe=None):
-    cfg = from_dict({"stages": [{"name": "s"}]})
+def _batches(meta, arrays, kind, rank, workers=0, recipe=None, cfg=None):
     norm = Normalize(meta["mean"], meta["std"], torch.device("cpu"), 3, False)
     trace = io.StringIO()
     tb = TrainBatches(kind, *arrays["train"], 32, torch.device("cpu"), 2, rank, 0,
-                      cfg.data.augment, norm, num_workers=workers, trace=trace, recipe=recipe)
+                      cfg.data.augment, norm, num_workers=workers, trace=trace, recipe=recipe,
+                      image_size=cfg.data.image_size)
     out = [(x.clone(), y.clone()) for x, y in tb.epoch(1)]
     idx = [int(i) for line in trace.getvalue().splitlines() for i in line.split()[2:]]
     resumed = [(x, y) for x, y in tb.epoch(1, start_step=3)]
     return out, idx, resumed
 
 
-@pytest.mark.parametrize("recipe", [None, Recipe(0.5, 0.2, 1.0, num_classes=10)],
-                         ids=["crop-flip", "erasing-mixup-cutmix"])
-def test_both_loaders_same_batches_disjoint_ranks(tmp_path, recipe):
-    cfg = from_dict(tiny_config(tmp_path))
+RRC = {"store_size": 22, "augment": {"random_resized_crop": {}}}
+
+
+@pytest.mark.parametrize("recipe,data", [
+    (None, {}), (Recipe(0.5, 0.2, 1.0, num_classes=10), {}),
+    (Recipe(0.0, 0.2, 0.0, num_classes=10), RRC)],
+    ids=["crop-flip", "erasing-mixup-cutmix", "random-resized-crop-flip-mixup"])
+def test_both_loaders_same_batches_disjoint_ranks(tmp_path, recipe, data):
+    cfg = from_dict(tiny_config(tmp_path, data=data))
     prepare(cfg)
     meta, arrays = prepared.load(cfg.data_dir)
-    dev0, idx0, res0 = _batches(meta, arrays, "device", 0, recipe=recipe)
-    dev1, idx1, _ = _batches(meta, arrays, "device", 1, recipe=recipe)
-    dl0, idx_dl, res_dl = _batches(meta, arrays, "dataloader", 0, workers=2, recipe=recipe)
+    assert arrays["train"][0].shape[1:] == (cfg.data.store_size,) * 2 + (3,)
+    dev0, idx0, res0 = _batches(meta, arrays, "device", 0, recipe=recipe, cfg=cfg)
+    dev1, idx1, _ = _batches(meta, arrays, "device", 1, recipe=recipe, cfg=cfg)
+    dl0, idx_dl, res_dl = _batches(meta, arrays, "dataloader", 0, workers=2, recipe=recipe,
+                                   cfg=cfg)
+    assert dev0[0][0].shape == (32, 3, 16, 16)  # what the model sees: image_size
     assert not set(idx0) & set(idx1) and len(idx0) == len(idx1) == 512
     assert idx_dl == idx0
     assert len(dev0) == len(dl0) == 16
@@ -298,7 +334,7 @@ def test_sizes_left_out_mean_all_of_a_real_source(tmp_path):
     raw = cfg_for(tmp_path, source="cifar10", path=str(arc), verify_checksum=False)
     del raw["data"]["train_size"], raw["data"]["val_size"]
     _, meta = prepare_ok(tmp_path, raw)
-    assert meta["counts"]["train"]["total"] == 1000 and meta["counts"]["val"]["total"] == 200
+    assert [meta["counts"][s]["total"] for s in ("train", "val", "test")] == [900, 100, 200]
 
 
 def test_imagefolder_caps_one_class_and_empty_val(tmp_path):
@@ -314,7 +350,8 @@ def test_imagefolder_caps_one_class_and_empty_val(tmp_path):
     single = image_tree(tmp_path / "single", per_class=1)  # nothing left to hold out
     (tmp_path / "b").mkdir()
     prepare_fails(tmp_path / "b", cfg_for(tmp_path / "b", source="imagefolder",
-                                          path=str(single)), "validation split", "is empty")
+                                          path=str(single)), "leaves class 'cat' (1 image",
+                  "data.test_fraction: 0")
 
 
 def test_arrays_changed_in_place_are_noticed(tmp_path):

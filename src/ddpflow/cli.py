@@ -5,6 +5,9 @@
     ddpflow launch   --config config/config.yaml --stage warmup
     ddpflow run      --config config/config.yaml        # prepare + every stage, in order
     ddpflow image    --config config/config.yaml        # build the container image
+    ddpflow evaluate --config config/config.yaml [--split test]  # a stage's weights on a split
+    ddpflow export   --config config/config.yaml        # safetensors, TorchScript, ONNX bundle
+    ddpflow predict  --bundle results/<run>/export images/ --out predictions.csv
     ddpflow train    --resolved <stage>/config.json --stage S   (what each torchrun rank runs)
 """
 
@@ -14,6 +17,7 @@ import argparse
 import errno
 import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -83,11 +87,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what this machine offers for training, and advice")
     _config_args(p)
 
+    p = sub.add_parser("evaluate", help="a finished stage's weights on a split or an "
+                       "image folder: accuracy, per-class scores, confusion matrix")
+    _config_args(p)
+    _evaluate_args(p)
+    p.add_argument("--allow-empty", action="store_true",
+                   help="a split the data does not have is noted, not an error (workflow)")
+
+    p = sub.add_parser("evaluate-rank", help="one rank's evaluation (started by torchrun)")
+    p.add_argument("--resolved", required=True)
+    _evaluate_args(p)
+
+    p = sub.add_parser("export", help="a stage's weights as safetensors, TorchScript and ONNX "
+                       "with model.json, each checked against the model")
+    _config_args(p)
+    p.add_argument("--stage", default=None, help="stage (default: the last)")
+    p.add_argument("--out", default=None, help="bundle folder (default results/<run>/export)")
+
+    p = sub.add_parser("predict", help="an export bundle on image files or folders -> CSV")
+    p.add_argument("--bundle", required=True, help="folder written by `ddpflow export`")
+    p.add_argument("--out", default="predictions.csv", help="CSV file to write")
+    p.add_argument("--top-k", type=int, default=5, help="classes per image in the CSV")
+    p.add_argument("--format", choices=["auto", "torchscript", "onnx"], default="auto",
+                   help="which model file runs (auto: TorchScript, else ONNX)")
+    p.add_argument("--device", default="auto", help="auto (GPU when there is one) | cpu | cuda")
+    p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER")
+
     p = sub.add_parser("train", help="one rank's training (started by torchrun)")
     p.add_argument("--resolved", required=True, help="resolved config JSON written by launch")
     p.add_argument("--stage", required=True)
     p.add_argument("--halt-after-steps", type=int, default=None)
     return ap
+
+
+def _evaluate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage", default=None, help="stage (default: the last)")
+    p.add_argument("--split", choices=["test", "val"], default="test")
+    p.add_argument("--images", default=None, metavar="DIR",
+                   help="a labelled folder DIR/<class>/<image> instead of a split")
+    p.add_argument("--weights", choices=["final", "best", "ema", "raw"], default="final",
+                   help="final: what the stage hands on (its EMA's when it kept one); best: "
+                        "best.pt; ema: the EMA's; raw: the trained weights beside an EMA")
+    p.add_argument("--out", default=None,
+                   help="folder (default results/<run>/evaluate/<stage>/<split>-<weights>)")
 
 
 def _prepare(cfg, force=False, verify=False) -> None:
@@ -121,8 +163,14 @@ def _rank(args) -> int:
     from .launch import report_rank_error
 
     cfg = _resolved(args.resolved)
-    folder = cfg.stage_dir(args.stage) if args.command == "train" else cfg.run_dir / "tune"
+    folder = (cfg.stage_dir(args.stage) if args.command == "train" else
+              Path(args.out) if args.command == "evaluate-rank" else cfg.run_dir / "tune")
     try:
+        if args.command == "evaluate-rank":
+            from .evaluate import rank_main
+
+            rank_main(cfg, args.stage, args.split, args.images, args.weights, Path(args.out))
+            return 0
         if args.command == "train":
             from .train import main as train_main
 
@@ -174,8 +222,13 @@ def _caps(text: str | None) -> list[float] | None:
 
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("train", "tune-rank"):
+    if args.command in ("train", "tune-rank", "evaluate-rank"):
         return _rank(args)
+    if args.command == "predict":
+        from .predict import predict
+
+        return predict(args.bundle, args.inputs, args.out, args.top_k, args.format,
+                       args.device)
 
     cfg = load_config(args.config, args.overrides)
     if cfg.sweep.enabled and args.command in ("launch", "run", "tune"):
@@ -222,6 +275,15 @@ def run(argv: list[str] | None = None) -> int:
         print(f"ddpflow: image record {out}: engine {rec['engine']}, "
               f"id {str(rec.get('image_id'))[:19]}")
         return 0
+    if args.command == "evaluate":
+        from .evaluate import launch as evaluate
+
+        return evaluate(cfg, args.stage, args.split, args.images, args.weights, args.out,
+                        args.allow_empty)
+    if args.command == "export":
+        from .export import export
+
+        return export(cfg, args.stage, args.out)
     if args.command == "launch":
         return _launch(cfg, args)
     from .launch import launch

@@ -35,7 +35,8 @@ from .summary import read_summary, result_text
 
 COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
            "final_val_acc", "best_val_acc",
-           "final_val_loss", "best_val_loss", "time_to_target_s", "early_stop",
+           "final_val_loss", "best_val_loss", "test_acc", "test_loss",
+           "time_to_target_s", "early_stop",
            "wall_time_s", "wall_samples_per_s",
            "startup_s", "train_s", "data_wait_s", "validation_s", "checkpoint_s", "teardown_s",
            "mean_samples_per_s", "samples_per_s_per_rank", "data_wait_fraction", "mfu",
@@ -73,6 +74,7 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         # every validation metric of the task under its own name: final_val_x, best_val_x
         row.update({f"final_{k}": v for k, v in (s.get("final_metrics") or {}).items()})
         row.update({f"best_{k}": v for k, v in (s.get("best_metrics") or {}).items()})
+        row.update(s.get("test_metrics") or {})  # test_<metric>: once, at the stage's end
         row["finished"] = stale is None  # a stale result is shown, never called finished
         if stale:
             row["stale"] = stale
@@ -168,11 +170,13 @@ def collect(cfg: Config, repo: Path | None = None) -> dict:
         figures["throughput"] = plots.throughput(stage_records, out / "throughput.png")
         figures["rank_step_time"] = plots.rank_step_times(stage_records,
                                                           out / "rank_step_time.png")
+    evaluation, bundle, folders = held_out_results(cfg, out, figures)
     man = manifest(cfg, Path(repo or Path.cwd()))
     write_json_atomic(out / "manifest.json", man)
     summary = {"run": cfg.run, "config_hash": cfg.hash,
                "finished": all(r["finished"] for r in rows), "stages": rows,
                "checkpoints": index, "figures": sorted(figures),
+               "evaluation": evaluation, "export": bundle,
                "config": cfg.to_dict()}
     buf = io.StringIO()
     metric_columns = sorted({k for r in rows for k in r if k.startswith(("final_val_",
@@ -184,11 +188,30 @@ def collect(cfg: Config, repo: Path | None = None) -> dict:
     (out / "summary.csv").write_text(buf.getvalue())
     write_json_atomic(out / "summary.json", summary)
     (out / "report.html").write_text(render(cfg, summary, man, figures, metric))
-    (out / "headline.txt").write_text(headline(cfg, rows))
+    (out / "headline.txt").write_text(headline(cfg, rows, evaluation))
     finish_workflow_run(cfg, [out / n for n in ("report.html", "summary.csv", "summary.json",
                                                 "manifest.json", "headline.txt")]
-                        + sorted(out.glob("*.png")))  # tracking.mlflow: the report, too
+                        + sorted(out.glob("*.png")) + folders)  # tracking.mlflow: the report
     return summary
+
+
+def held_out_results(cfg: Config, out: Path, figures: dict) -> tuple:
+    """(evaluation, export, folders): `ddpflow evaluate`'s result for the last stage on the
+    test split and the export bundle's model.json, when the workflow made them (None
+    otherwise); the confusion matrix joins the figures."""
+    last = cfg.stages[-1].name
+    folder = cfg.run_dir / "evaluate" / last / "test-final"
+    evaluation = _read_json(folder / "metrics.json")
+    if evaluation is not None and (folder / "confusion.png").is_file():
+        shutil.copyfile(folder / "confusion.png", out / "confusion_test.png")
+        figures["confusion_test"] = out / "confusion_test.png"
+    bundle = _read_json(cfg.run_dir / "export" / "model.json")
+    if bundle is not None:
+        bundle = {"folder": str(cfg.run_dir / "export"), "files": bundle.get("files"),
+                  "checks": bundle.get("checks"), "source": bundle.get("source"),
+                  "check_rule": bundle.get("check_rule")}
+    folders = [p for p in (folder, cfg.run_dir / "export") if p.is_dir()]
+    return evaluation, bundle, folders
 
 
 def monitored(cfg: Config, rows: list[dict]) -> str:
@@ -199,7 +222,7 @@ def monitored(cfg: Config, rows: list[dict]) -> str:
     return cfg.task.monitor or ("val_acc" if cfg.task.name == "classification" else "val_loss")
 
 
-def headline(cfg: Config, rows: list[dict]) -> str:
+def headline(cfg: Config, rows: list[dict], evaluation: dict | None = None) -> str:
     lines = [f"ddpflow run '{cfg.run}': {cfg.run_dir / 'summary' / 'report.html'}"]
     for r in rows:
         if r["finished"]:
@@ -216,4 +239,8 @@ def headline(cfg: Config, rows: list[dict]) -> str:
         else:
             what = "STALE" if r.get("stale") else "NOT FINISHED"
             lines.append(f"  {r['stage']:12s} {what} ({r['note']})")
+    if evaluation and evaluation.get("samples"):
+        lines.append(f"  test split   acc {evaluation['acc']:.4f}, top-5 {evaluation['top5']:.4f}"
+                     f" on {evaluation['samples']} held-out images ({evaluation['stage']}, "
+                     f"{evaluation['weights']['holds']} weights)")
     return "\n".join(lines) + "\n"

@@ -33,6 +33,9 @@ class Augment:
     crop_padding: int  # pixels of zero padding before the random crop
     flip: bool  # random horizontal flip
     translate: int  # extra random shift in pixels (0 = off)
+    # {scale: [lo, hi], ratio: [lo, hi]}: a random box (share of the stored area, width /
+    # height) resized to image_size, instead of pad-and-crop (then 0); None = off
+    random_resized_crop: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,14 @@ class DataCfg:
     prepared_dir: str | None  # folder of the prepared data (None = <run>/data)
     image_size: int  # pixels (square)
     num_classes: int  # synthetic only; real sources report their own
+    difficulty: float  # synthetic only: 1 = the hard default set, 0 = an easy one
     train_size: int | None  # samples (synthetic: generated; real: optional cap)
     val_size: int | None
+    test_size: int | None  # samples of the test split (synthetic: generated; real: a cap)
+    store_size: int  # pixels of the stored square (>= image_size; resolved from null)
     grayscale: bool
-    val_fraction: float  # imagefolder without val/: share of each class held out
+    val_fraction: float  # share of each class of the training data held out as val
+    test_fraction: float  # image folders without test/: share of each class held out as test
     max_bad_fraction: float  # imagefolder: tolerated share of unreadable files
     verify_checksum: bool
     prepare_workers: int | str  # processes for decoding images ("auto" = all cores)
@@ -367,6 +374,7 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
         raise UserError("invalid config: stages.0.init_from: the first stage has no previous "
                         "stage; use null or a path to weights")
     _check_sources(d)
+    _check_images(d["data"])
     _check_endpoints(d)
     _check_recipe(d)
     return d
@@ -386,6 +394,34 @@ def _check_recipe(d: dict[str, Any]) -> None:
             raise UserError(f"invalid config: stages.{i}.{used[0]} acts on prepared arrays; "
                             f"a data.source python dataset does its own transforms (or set "
                             f"data.materialize: true)")
+
+
+SMALL_SOURCES = ("synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "python")
+STORE_MARGIN = 1.15  # image folders keep this much more than training looks at (FFCV-style)
+
+
+def _check_images(data: dict[str, Any]) -> None:
+    """data.store_size resolved (null: image_size for 28/32 px sources, 1.15 x for image
+    folders) and the crop options checked against it."""
+    size, rrc, aug = data["image_size"], data["augment"]["random_resized_crop"], data["augment"]
+    if data["store_size"] is None:
+        big = data["source"] not in SMALL_SOURCES
+        data["store_size"] = int(round(size * STORE_MARGIN)) if big else size
+    if data["store_size"] < size:
+        what = "augment.random_resized_crop crops from" if rrc else "training and validation crop"
+        raise UserError(f"invalid config: data.store_size {data['store_size']} is smaller than "
+                        f"data.image_size {size}; the {what} the stored image: set store_size "
+                        f">= {size} (or null)")
+    if rrc is None:
+        return
+    rrc.setdefault("scale", [0.08, 1.0])  # torchvision's (and every ImageNet recipe's)
+    rrc.setdefault("ratio", [3 / 4, 4 / 3])
+    for key in ("scale", "ratio"):
+        lo, hi = rrc[key]
+        if lo > hi:
+            raise UserError(f"invalid config: data.augment.random_resized_crop.{key} [{lo}, "
+                            f"{hi}] must be [low, high] with low <= high")
+    aug["crop_padding"] = aug["translate"] = 0  # the random box replaces pad-and-crop
 
 
 def _check_endpoints(d: dict[str, Any]) -> None:

@@ -205,7 +205,8 @@ def _model_on_meta(cfg: Config, meta: dict):
     if meta.get("kind") == "python":  # a user dataset: any input; only build the model
         with torch.device("meta"):
             return build_model(cfg.model, meta.get("num_classes"), meta.get("in_channels"))
-    h, w, c = meta["image_shape"]
+    c = meta["image_shape"][2]
+    h = w = cfg.data.image_size  # what the model sees: the crop of the stored image
     in_ch = input_channels(cfg.model.name, c)
     with torch.device("meta"):
         model = build_model(cfg.model, meta["num_classes"], in_ch)

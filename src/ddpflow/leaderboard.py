@@ -69,8 +69,7 @@ def trial_row(entry: dict, logs: Path) -> dict:
     m = last.get("monitor")
     row["final_value"] = last.get(f"final_{m}") if m else None
     row["best_value"] = last.get("best_value")
-    test = [k for k in last if k.startswith("test_")]
-    row["test_value"] = last.get(test[0]) if test else None
+    row["test_value"] = last.get("test_" + m.split("_", 1)[-1]) if m else None
     row["weights"] = last.get("best_checkpoint") or last.get("final_checkpoint")
     row["report"] = str(cfg.run_dir / "summary" / "report.html")
     row["status"], row["reason"] = _status(cfg, rows, logs / entry["id"])

@@ -92,3 +92,32 @@ def rank_step_times(stages, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def confusion(matrix, classes: list[str], path: Path, title: str) -> Path:
+    """Row-normalised confusion matrix (true class down, predicted across), counts written in
+    the cells of small matrices; class names shown up to 40 classes."""
+    import numpy as np
+
+    m = np.asarray(matrix, dtype=float)
+    share = m / np.maximum(m.sum(1, keepdims=True), 1)
+    n = len(classes)
+    side = min(max(4.0, 0.45 * n + 2), 14.0)
+    fig, ax = plt.subplots(figsize=(side + 1.5, side))
+    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    fig.colorbar(im, ax=ax, label="share of the true class")
+    if n <= 40:
+        ax.set_xticks(range(n), classes, rotation=90, fontsize=7)
+        ax.set_yticks(range(n), classes, fontsize=7)
+    if n <= 15:
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, int(m[i, j]), ha="center", va="center", fontsize=7,
+                        color="white" if share[i, j] > 0.5 else "black")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

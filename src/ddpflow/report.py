@@ -54,10 +54,12 @@ def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
     label = metric.replace("_", " ")
     # samples/s overall: samples / wall time from the command to the result; steady state:
     # the logged intervals only (no start-up, first interval, validation, checkpoint stalls)
-    head = ["stage", label, f"best {label}", "steps", "wall time (s)", "start-up (s)",
+    test = "test_" + metric.split("_", 1)[-1]  # val_acc -> test_acc: the held-out split
+    head = ["stage", label, f"best {label}", f"{test.replace('_', ' ')} (test split)", "steps",
+            "wall time (s)", "start-up (s)",
             "samples/s overall", "samples/s steady state", "per rank", "data wait", "ranks",
             "precision", "global batch"]
-    keys = ["stage", f"final_{metric}", "best_value", "steps", "wall_time_s", "startup_s",
+    keys = ["stage", f"final_{metric}", "best_value", test, "steps", "wall_time_s", "startup_s",
             "wall_samples_per_s", "mean_samples_per_s", "samples_per_s_per_rank",
             "data_wait_fraction", "world_size", "precision", "global_batch"]
     trs = []
@@ -76,6 +78,7 @@ def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
                         for k, v in r.items())
         details.append(f"<h3>{html.escape(r['stage'])}</h3><table>{items}</table>")
     captions = {"loss_accuracy": f"Training loss and {metric} across all stages",
+                "confusion_test": "Confusion matrix of the last stage on the test split",
                 "throughput": "Throughput (all ranks) and the share of step time spent "
                               "waiting for data",
                 "rank_step_time": "Step time of each rank"}
@@ -92,7 +95,41 @@ git revision <code>{html.escape(str(manifest.get('git_revision')))}</code>,
 torch {html.escape(str(manifest.get('torch')))}</p>
 <h2>Headline</h2>{headline}
 <h2>Plots</h2>{imgs or '<p>No metrics recorded yet.</p>'}
+{_held_out(summary)}
 <h2>Stages</h2>{''.join(details)}
 <h2>Manifest</h2><pre id="manifest">{man}</pre>
 </body></html>
 """
+
+
+def _held_out(summary: dict) -> str:
+    """The test split (`ddpflow evaluate`: never used to choose anything) and the export."""
+    parts = []
+    ev = summary.get("evaluation")
+    if ev and ev.get("samples"):
+        pc = ev["per_class"]
+        rows = "".join(f"<tr><td>{_fmt(c)}</td><td>{_fmt(pc['precision'][i])}</td>"
+                       f"<td>{_fmt(pc['recall'][i])}</td><td>{_fmt(pc['f1'][i])}</td>"
+                       f"<td>{pc['support'][i]}</td></tr>"
+                       for i, c in enumerate(ev["classes"][:100]))
+        parts.append(
+            f'<h2>Test split</h2><p id="test">stage {_fmt(ev["stage"])}, '
+            f'{_fmt(ev["weights"]["holds"])} weights: <b>test acc {_fmt(ev["acc"])}</b>, '
+            f'top-5 {_fmt(ev["top5"])}, loss {_fmt(ev["loss"])} over {ev["samples"]} '
+            f'held-out images (model selection used the val split only)</p>'
+            f'<table><tr><th>class</th><th>precision</th><th>recall</th><th>F1</th>'
+            f'<th>support</th></tr>{rows}</table>')
+    elif ev:
+        parts.append(f"<h2>Test split</h2><p>{_fmt(ev.get('note'))}</p>")
+    ex = summary.get("export")
+    if ex:
+        rows = "".join(
+            f"<tr><td>{_fmt(f)}</td><td>{_fmt((ex['files'] or {}).get(f, {}).get('file'))}</td>"
+            f"<td>{'ok' if c['ok'] else '<span class=bad>' + _fmt(c.get('error')) + '</span>'}"
+            f"</td><td>{_fmt(c.get('max_abs_diff'))}</td></tr>"
+            for f, c in (ex.get("checks") or {}).items())
+        parts.append(f'<h2>Export</h2><p>bundle <code>{_fmt(ex["folder"])}</code> '
+                     f'(<code>ddpflow predict --bundle ...</code>); {_fmt(ex["check_rule"])}</p>'
+                     f'<table id="export"><tr><th>format</th><th>file</th><th>check</th>'
+                     f'<th>max |diff|</th></tr>{rows}</table>')
+    return "".join(parts)

@@ -56,6 +56,8 @@ def stage_summary(t) -> dict:
         "final_val_acc": final.get("val_acc"), "final_val_loss": final.get("val_loss"),
         "best_val_acc": best.get("val_acc"), "best_val_loss": best.get("val_loss"),
         "best_step": s.best.get("step"),
+        # the test split, on the weights handed on, after selection: {} = no test split
+        "test_metrics": t.test_metrics, **t.test_metrics,
         **earlystop.summary(t),  # early_stop (why, or None), target and time_to_target_s
         "weights": "ema" if t.ema else "raw",  # what final.pt/best.pt's "model" holds
         "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
@@ -125,6 +127,9 @@ def write_best(t, model: dict, best: dict, ema: dict | None = None) -> None:
 def write_results(t) -> None:
     """Rank 0 at the stage's end: failed.json, or final.pt and summary.json (only for a
     finished stage), after the last background save; the trackers get the end."""
+    if t.test_metrics:
+        t.log.write({"kind": "test", "step": t.state.step, "epoch": t.state.epoch,
+                     "weights": "ema" if t.ema else "raw", **t.test_metrics})
     t.log.close()
     if not t.diverged and not t.halted:
         t.final_sha = write_final(t)  # while the last checkpoint is being written

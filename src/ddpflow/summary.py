@@ -27,4 +27,6 @@ def result_text(s: dict) -> str:
     final = (s.get("final_metrics") or {}).get(name, s.get("final_val_acc"))
     best = s.get("best_value", s.get("best_val_acc"))
     fmt = (lambda v: "n/a" if v is None else f"{v:.4f}")  # noqa: E731 - a one-line formatter
-    return f"{name} {fmt(final)} (best {fmt(best)})"
+    test = "test_" + name.split("_", 1)[-1]
+    tail = f", {test} {fmt(s[test])}" if s.get(test) is not None else ""
+    return f"{name} {fmt(final)} (best {fmt(best)}){tail}"

@@ -73,7 +73,7 @@ def scalars(rec: dict) -> dict:
     if rec.get("kind") == "train":
         return {tag: rec[k] for k, tag in TRAIN_SCALARS.items()
                 if isinstance(rec.get(k), (int, float))}
-    if rec.get("kind") == "val":
+    if rec.get("kind") in ("val", "test"):
         return {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}": v for k, v in rec.items()
                 if k.startswith(("val_", "test_")) and isinstance(v, (int, float))}
     return {}

@@ -41,7 +41,7 @@ from .tasks import build_task, check_loss, improves, monitor
 from .tracking import open_trackers
 from .tune import stage_settings
 from .userimport import add_code_dirs
-from .validation import VAL_BATCH_FACTOR, stage_metrics
+from .validation import VAL_BATCH_FACTOR, stage_metrics, test_metrics
 from .wallclock import WallClock, process_start
 from .weights import start_weights
 
@@ -76,6 +76,7 @@ class Trainer:
         self.state = TrainState()
         self.diverged: str | None = None  # the reason, once a NaN/inf loss was seen on a rank
         self.halted = False
+        self.test_metrics: dict = {}  # test_<metric> at the stage's end (no test split: {})
         # wall time since `ddpflow launch` started, phase by phase (summary.json "wall")
         self.clock = WallClock()
         self.clock.marks["rank_process"] = round(process_start() - self.clock.t0, 4)
@@ -409,6 +410,10 @@ class Trainer:
 
     def finish(self) -> None:
         """failed.json, or final.pt and summary.json (only for a finished stage)."""
+        # the test split, once, after the last validation and save: nothing selects on it
+        if self.data.test and not (self.diverged or self.halted):
+            self.test_metrics = test_metrics(self)  # all ranks: sync points
+            self.say("test: " + ", ".join(f"{k} {v:.4f}" for k, v in self.test_metrics.items()))
         # every rank's weights, hashed and gathered: DDP must have kept them identical
         self.weight_hashes = distributed.gather_objects(self.d, runtime.weights_sha256(
             unwrap(self.model)))

@@ -29,12 +29,22 @@ def stage_metrics(t) -> dict[str, float]:
     return metrics
 
 
-def val_metrics(t, net) -> dict[str, float]:
-    """The task's metrics over the validation split of trainer `t`, summed on each rank and
-    all-reduced (sync points); `t.val_batch` (per rank) is halved for good after an OOM."""
+def test_metrics(t) -> dict[str, float]:
+    """The test split, once, on the weights the stage hands on (the EMA's when on), as
+    test_<metric>. Nothing selects on it: it runs after the last validation and save."""
+    net = t.ema.module if t.ema else unwrap(t.train_model)
+    distributed.broadcast_buffers(t.d, net)
+    metrics = val_metrics(t, net.eval(), t.data.test)
+    return {f"test_{k[4:]}": v for k, v in metrics.items()}
+
+
+def val_metrics(t, net, split=None) -> dict[str, float]:
+    """The task's metrics over the validation split of trainer `t` (or `split`: batches by
+    batch size), summed on each rank and all-reduced (sync points); `t.val_batch` (per
+    rank) is halved for good after an OOM."""
     d = t.d
     while True:
-        sums = _sums(t, net)
+        sums = _sums(t, net, split or t.data.val)
         # sync point: one rank out of memory means every rank starts again, smaller
         if not any(r[0] for r in distributed.all_gather_floats(d, [float(sums is None)])):
             return sums.reduce(d)  # one gather of names, one all-reduce: a sync point
@@ -43,13 +53,13 @@ def val_metrics(t, net) -> dict[str, float]:
         t.say(f"validation ran out of GPU memory; again at {t.val_batch} per rank")
 
 
-def _sums(t, net) -> MetricSums | None:
+def _sums(t, net, split) -> MetricSums | None:
     """This rank's metric sums, or None when its GPU ran out of memory (and the batch can
     still shrink)."""
     sums = MetricSums(t.task, t.cfg.task.name, t.d.device)
     try:
         with torch.no_grad(), t.autocast:
-            for batch in t.data.val(t.val_batch):
+            for batch in split(t.val_batch):
                 sums.add(forward(net, batch[0]), batch)
     except torch.cuda.OutOfMemoryError:
         if t.val_batch <= t.batch_size:

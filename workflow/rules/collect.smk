@@ -10,6 +10,8 @@ rule collect:
     input:
         expand(f"{RESULTS}/stages/{{stage}}/summary.json", stage=STAGES),
         image=f"{RESULTS}/image.json",
+        evaluated=rules.evaluate.output.metrics,
+        bundle=rules.export.output.bundle,
     output:
         summary=f"{RESULTS}/summary/summary.json",
         csv=report(

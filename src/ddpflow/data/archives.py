@@ -24,7 +24,7 @@ CIFAR = {
     "cifar10": {
         "folder": "cifar-10-batches-py",
         "train": ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5"],
-        "val": ["test_batch"],
+        "test": ["test_batch"],
         "meta": ("batches.meta", b"label_names"),
         "label_key": b"labels",
         "md5": {
@@ -40,7 +40,7 @@ CIFAR = {
     "cifar100": {
         "folder": "cifar-100-python",
         "train": ["train"],
-        "val": ["test"],
+        "test": ["test"],
         "meta": ("meta", b"fine_label_names"),
         "label_key": b"fine_labels",
         "md5": {
@@ -86,7 +86,7 @@ def _check_md5(name: str, blob: bytes, expected: str | None, verify: bool, repor
 
 # --------------------------------------------------------------------------- CIFAR
 def _cifar_members(path: Path, spec: dict) -> dict[str, bytes]:
-    wanted = set(spec["train"] + spec["val"] + [spec["meta"][0]])
+    wanted = set(spec["train"] + spec["test"] + [spec["meta"][0]])
     found: dict[str, bytes] = {}
     if path.is_dir():
         folder = path / spec["folder"] if (path / spec["folder"]).is_dir() else path
@@ -137,7 +137,8 @@ def _unpickle(name: str, blob: bytes) -> dict:
 
 
 def read_cifar(source: str, path: Path, verify: bool):
-    """(splits {train|val: (images NHWC uint8, labels)}, class names, checksum report)."""
+    """({train|test: (images NHWC uint8, labels)} of the official files, class names,
+    checksum report)."""
     spec = CIFAR[source]
     members = _cifar_members(path, spec)
     report: dict[str, str] = {}
@@ -146,7 +147,7 @@ def read_cifar(source: str, path: Path, verify: bool):
     meta = _unpickle(spec["meta"][0], members[spec["meta"][0]])
     classes = [c.decode() if isinstance(c, bytes) else str(c) for c in meta[spec["meta"][1]]]
     splits = {}
-    for split in ("train", "val"):
+    for split in ("train", "test"):
         xs, ys = [], []
         for name in spec[split]:
             d = _unpickle(name, members[name])
@@ -201,7 +202,7 @@ def read_idx(source: str, path: Path, verify: bool):
     sums = IDX_MD5[source]
     report: dict[str, str] = {}
     splits = {}
-    for split, prefix in (("train", "train"), ("val", "t10k")):
+    for split, prefix in (("train", "train"), ("test", "t10k")):
         ipath = _find_idx(path, f"{prefix}-images-idx3-ubyte")
         lpath = _find_idx(path, f"{prefix}-labels-idx1-ubyte")
         x = _read_idx(ipath, verify, sums.get(ipath.name), report)

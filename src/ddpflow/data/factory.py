@@ -1,9 +1,10 @@
 """The data seam: `data.source: python` trains on the user's own map-style Dataset.
 
 `data.factory: package.module:callable` is called once per rank and split,
-`factory(split, **data.kwargs)` with split "train" or "val", and returns a
-`torch.utils.data.Dataset` whose items are `(input, target)`; each of the two is a
-tensor (or a number), or a tuple / dict of them. Batches come from torch's DataLoader
+`factory(split, **data.kwargs)` with split "train", "val" or "test", and returns a
+`torch.utils.data.Dataset` (None for "test": no test split) whose items are
+`(input, target)`; each of the two is a tensor (or a number), or a tuple / dict of them.
+Batches come from torch's DataLoader
 (workers, pinned memory, persistent workers, prefetch from data.*) over the same
 `EpochSampler` as the prepared data: DistributedSampler order with a start offset, so a
 resumed epoch skips exactly the batches already trained. The model is called as
@@ -25,10 +26,13 @@ from .loaders import EpochSampler
 
 
 def dataset(cfg, split: str):
-    """factory(split, **data.kwargs), checked to be a non-empty map-style dataset."""
+    """factory(split, **data.kwargs), checked to be a non-empty map-style dataset (or None
+    for split "test": the dataset has no test split)."""
     add_code_dirs(cfg)
     fn = load_callable(cfg.data.factory, "data.factory")
     ds = call(fn, "data.factory", args=(split,), kwargs=cfg.data.kwargs)
+    if ds is None and split == "test":
+        return None
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         raise UserError(f"data.factory {cfg.data.factory} returned {type(ds).__name__} for "
                         f"split '{split}', not a map-style Dataset (__len__ and __getitem__)")

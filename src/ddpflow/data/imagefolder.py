@@ -1,8 +1,9 @@
-"""`root/<class>/<image>` trees: decoded in parallel, resized and centre-cropped once.
+"""`root/<class>/<image>` trees: decoded in parallel, resized and centre-cropped once (to
+data.store_size).
 
-An explicit `root/train` + `root/val` pair is honoured; otherwise each class is split
-by a seeded, stratified draw of `val_fraction`. Unreadable files are skipped and
-listed; more than `max_bad_fraction` of them is an error.
+`root/train` with optional `root/val` and `root/test` folders is honoured; a split without
+its folder is held out of the training images (splits.py). Unreadable files are skipped
+and listed; more than `max_bad_fraction` of them is an error.
 """
 
 from __future__ import annotations
@@ -37,22 +38,9 @@ def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     return classes, items
 
 
-def stratified_split(labels: np.ndarray, val_fraction: float, seed: int):
-    """Indices (train, val): per class, a seeded shuffle and round(n * fraction) held out."""
-    rng = np.random.default_rng(seed)
-    train, val = [], []
-    for c in np.unique(labels):
-        idx = np.flatnonzero(labels == c)
-        rng.shuffle(idx)
-        k = int(round(len(idx) * val_fraction))
-        k = min(max(k, 1 if len(idx) > 1 else 0), len(idx) - 1)
-        val.append(idx[:k])
-        train.append(idx[k:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
-
-
-def _decode(args):
-    """Worker: one file -> uint8 HWC array of size x size, or an error string."""
+def decode_file(args):
+    """(path, size, grayscale) -> (uint8 HWC array of size x size, None) or (None, reason):
+    the short side resized to size and the centre square kept (predict reads files so)."""
     path, size, grayscale = args
     from PIL import Image, ImageOps
 
@@ -83,7 +71,8 @@ def decode_into(folder: Path, split: str, items, size: int, grayscale: bool, nwo
     skipped, kept = [], 0
     jobs = [(f, size, grayscale) for f, _ in items]
     pool = ProcessPoolExecutor(nworkers) if nworkers > 1 else None
-    results = pool.map(_decode, jobs, chunksize=64) if pool else map(_decode, jobs)
+    results = (pool.map(decode_file, jobs, chunksize=64) if pool
+               else map(decode_file, jobs))
     try:
         for (f, label), (arr, err) in zip(items, results):
             if progress is not None:

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..config import Augment
 from ..errors import UserError
+from .crops import center_crop, random_resized_crop
 from .mixing import Recipe, resize
 from .mixing import apply as apply_recipe
 
@@ -120,8 +121,10 @@ class TrainBatches:
 
     def __init__(self, kind, images, labels, batch_size, device, world, rank, seed, aug,
                  normalize, num_workers=0, pin_memory=False, persistent_workers=False,
-                 prefetch_factor=2, trace=None, recipe: Recipe | None = None):
+                 prefetch_factor=2, trace=None, recipe: Recipe | None = None,
+                 image_size: int | None = None):
         self.trace = trace  # optional text file: "epoch step idx..." per batch (an audit)
+        self.image_size = image_size or images.shape[1]  # what training sees (<= stored)
         self.recipe = recipe if recipe is not None and recipe.active else None
         self.size_at = None  # epoch -> training size (progressive resizing), set by the trainer
         self.kind, self.batch_size, self.device = kind, batch_size, device
@@ -158,12 +161,22 @@ class TrainBatches:
             if self.trace:
                 self.trace.write(f"{epoch} {step} {' '.join(map(str, idx.tolist()))}\n")
             g = step_generator(self.device, self.seed, epoch, step, self.rank)
-            x = self.normalize(augment(x, self.aug, g))
+            x = self.transform(x, g)
             if size:  # progressive resizing: this epoch's training size
                 x = resize(x, size)
             if self.recipe:  # random erasing, mixup/cutmix of this stage (mixing.py)
                 x, y = apply_recipe(x, y, self.recipe, g, (self.seed, epoch, step, self.rank))
             yield x, y
+
+
+    def transform(self, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """uint8 NHWC stored images -> normalised float NCHW at image_size: a random resized
+        crop and mirror, or pad-and-crop and mirror then the evaluation's centre crop."""
+        rrc = self.aug.random_resized_crop
+        if rrc:
+            return random_resized_crop(self.normalize(x), self.image_size, rrc["scale"],
+                                       rrc["ratio"], self.aug.flip, g)
+        return center_crop(self.normalize(augment(x, self.aug, g)), self.image_size)
 
 
 def forever(make_epoch):
@@ -181,10 +194,12 @@ def forever(make_epoch):
         epoch += 1
 
 
-def val_batches(images, labels, device, world, rank, normalize, resident=False):
-    """(batch size) -> this rank's strided share of the validation split, unaugmented, in
-    order. resident (the device loader): the share is copied to the device at the first
-    validation and stays there (no copy per epoch)."""
+def val_batches(images, labels, device, world, rank, normalize, resident=False,
+                image_size: int | None = None):
+    """(batch size) -> this rank's strided share of a validation (or test) split, in order,
+    with the evaluation's centre crop to image_size. resident (the device loader): the
+    share is copied to the device at the first validation and stays there."""
+    size = image_size or images.shape[1]
     idx = list(range(rank, len(labels), world))
     kept = {}
 
@@ -199,7 +214,7 @@ def val_batches(images, labels, device, world, rank, normalize, resident=False):
                 part = idx[i:i + batch_size]
                 x = torch.from_numpy(images[part]).to(device, non_blocking=True)
                 y = torch.from_numpy(labels[part]).long().to(device, non_blocking=True)
-            yield normalize(x), y
+            yield center_crop(normalize(x), size), y
     return batches
 
 

@@ -24,6 +24,7 @@ from .mixing import Recipe
 class Pipeline:
     train: Any  # .epoch(epoch, start_step) -> batches; len() = batches per epoch of a rank
     val: Callable[[int], Any]  # (batch size) -> this rank's validation batches
+    test: Callable[[int], Any] | None  # the same for the test split; None: no test split
     kind: str  # device | dataloader
     reason: str  # why this loader
     num_classes: int | None
@@ -47,7 +48,7 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
     if meta.get("kind") == "python":
         return _user_dataset(cfg, d, meta, batch_size, trace)
     _, arrays = prepared.load(cfg.data_dir)
-    (train_x, train_y), (val_x, val_y) = arrays["train"], arrays["val"]
+    train_x, train_y = arrays["train"]
     nbytes = sum(a.nbytes for pair in arrays.values() for a in pair)
     workers, prefetch = cfg.data.num_workers, cfg.data.prefetch_factor
     if cfg.data.loader == "auto" and tuned:
@@ -62,12 +63,16 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
     train = TrainBatches(kind, train_x, train_y, batch_size, d.device, d.world, d.rank,
                          cfg.seed, cfg.data.augment, normalize, workers, cfg.data.pin_memory,
                          cfg.data.persistent_workers, prefetch, trace=trace,
-                         recipe=recipe and replace(recipe, num_classes=meta["num_classes"]))
-
-    val = val_batches(val_x, val_y, d.device, d.world, d.rank, normalize,
-                      resident=kind == "device")
-
-    return Pipeline(train, val, kind, reason, meta["num_classes"], channels, len(train_y))
+                         recipe=recipe and replace(recipe, num_classes=meta["num_classes"]),
+                         image_size=cfg.data.image_size)
+    # validation and test: unaugmented, the standard centre crop (held on the device by
+    # the device loader; the test split only once, at the stage's end)
+    held = {split: val_batches(*arrays[split], d.device, d.world, d.rank, normalize,
+                               resident=kind == "device" and split == "val",
+                               image_size=cfg.data.image_size) for split in ("val", "test")}
+    test = held["test"] if len(arrays["test"][1]) else None
+    return Pipeline(train, held["val"], test, kind, reason, meta["num_classes"], channels,
+                    len(train_y))
 
 
 def _user_dataset(cfg, d, meta, batch_size, trace) -> Pipeline:
@@ -77,9 +82,14 @@ def _user_dataset(cfg, d, meta, batch_size, trace) -> Pipeline:
     train = factory.FactoryBatches(train_ds, batch_size, d.device, d.world, d.rank, cfg.seed,
                                    cfg.data, trace)
 
-    def val(val_batch: int):
-        return factory.val_batches(val_ds, val_batch, d.device, d.world, d.rank, cfg.data)
+    def held_out(split: str):
+        def batches(val_batch: int):
+            ds = val_ds if split == "val" else factory.dataset(cfg, "test")  # at the end only
+            return factory.val_batches(ds, val_batch, d.device, d.world, d.rank, cfg.data)
+        return batches
 
-    return Pipeline(train, val, "dataloader", f"data.source python ({cfg.data.factory})",
+    test = held_out("test") if meta["counts"].get("test", {}).get("total") else None
+    return Pipeline(train, held_out("val"), test, "dataloader",
+                    f"data.source python ({cfg.data.factory})",
                     info["num_classes"] or meta.get("num_classes"), info["in_channels"],
                     len(train_ds))

@@ -20,10 +20,12 @@ from .. import locks
 from ..config import Config
 from ..errors import UserError, short
 from ..userimport import dir_fingerprint
-from . import archives, factory, imagefolder, prepared, synthetic
+from . import archives, factory, imagefolder, prepared, splits, synthetic
 
-PREPARE_KEYS = ("source", "path", "image_size", "num_classes", "train_size", "val_size",
-                "grayscale", "val_fraction", "max_bad_fraction", "verify_checksum")
+PREPARE_KEYS = ("source", "path", "image_size", "store_size", "num_classes", "difficulty",
+                "train_size",
+                "val_size", "test_size", "grayscale", "val_fraction", "test_fraction",
+                "max_bad_fraction", "verify_checksum")
 
 
 PYTHON_KEYS = ("factory", "kwargs", "materialize")
@@ -93,18 +95,22 @@ def _python_source(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
     """A user dataset: checked (imports, items), described in meta.json, and with
     data.materialize copied into the arrays. Returns True when there are arrays."""
     sets = {split: factory.dataset(cfg, split) for split in prepared.SPLITS}
-    first = {split: factory.check_item(ds, split) for split, ds in sets.items()}
+    first = {split: factory.check_item(ds, split) for split, ds in sets.items() if ds}
     info = factory.describe(sets["train"], first["train"])
     if cfg.data.materialize:
         labels = []
         for split, ds in sets.items():
+            if ds is None:  # the factory has no test split
+                prepared.save_split(folder, split, *prepared.empty_like(folder, "train"))
+                continue
             x, y = factory.materialize(ds, split)
             prepared.save_split(folder, split, x, y)
             labels.append(y)
         n = info["num_classes"] or int(max(y.max() for y in labels)) + 1
         meta["classes"] = getattr(sets["train"], "classes", None) or [str(i) for i in range(n)]
         return True
-    meta.update(kind="python", counts={s: {"total": len(ds)} for s, ds in sets.items()},
+    meta.update(kind="python",
+                counts={s: {"total": len(ds) if ds else 0} for s, ds in sets.items()},
                 num_classes=info["num_classes"], input_shape=info["input_shape"],
                 in_channels=info["in_channels"], bytes={}, sha256={},
                 format_version=prepared.FORMAT_VERSION)
@@ -112,63 +118,98 @@ def _python_source(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
 
 
 def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
-    """Write the source's arrays into folder; False for a user dataset read as it is."""
+    """Write the source's three splits into folder; False for a user dataset read as it is."""
     d = cfg.data
     if d.source == "python":
         return _python_source(cfg, folder, meta)
     if d.source == "synthetic":
         ch = 1 if d.grayscale else 3
-        # null sizes: 4096 / 1024 generated samples
-        for split, n in (("train", d.train_size or 4096), ("val", d.val_size or 1024)):
-            x, y = synthetic.generate(n, d.num_classes, d.image_size, ch, cfg.seed, split)
+        # null sizes: 4096 / 1024 / 1024 generated samples, each split its own draws
+        sizes = {"train": d.train_size or 4096, "val": d.val_size or 1024,
+                 "test": 1024 if d.test_size is None else d.test_size}
+        for split, n in sizes.items():
+            x, y = synthetic.generate(n, d.num_classes, d.store_size, ch, cfg.seed, split,
+                                      d.difficulty)
             prepared.save_split(folder, split, x, y)
         meta["classes"] = [f"class{i}" for i in range(d.num_classes)]
+        meta["split"] = "generated: train, val and test are independent draws"
         return True
     path = Path(d.path)
     if not path.exists():
         raise UserError(f"data.path {path} does not exist (source {d.source}); "
                         f"point data.path at the dataset's archive or folder")
     if d.source in ("cifar10", "cifar100", "mnist", "fashion_mnist"):
-        reader = archives.read_cifar if d.source.startswith("cifar") else archives.read_idx
-        splits, classes, report = reader(d.source, path, d.verify_checksum)
-        for i, (split, n) in enumerate((("train", d.train_size), ("val", d.val_size))):
-            x, y = splits[split]
-            x, y = _cap(x, y, n, cfg.seed + i)
-            prepared.save_split(folder, split, archives.resize_all(x, d.image_size), y)
-        meta["classes"] = classes
-        meta["checksums"] = report
-        return True
-    # imagefolder
-    has_split = (path / "train").is_dir() and (path / "val").is_dir()
-    if has_split:
-        classes, train_items = imagefolder.scan(path / "train")
-        val_classes, val_items = imagefolder.scan(path / "val")
-        if val_classes != classes:
-            raise UserError(f"{path}/val has classes {val_classes}, {path}/train has {classes}; "
-                            f"they must be the same folders")
-        meta["split"] = "explicit train/ and val/ folders"
+        _archive_source(cfg, path, folder, meta)
     else:
-        classes, items = imagefolder.scan(path)
-        labels = np.array([label for _, label in items])
-        tr, va = imagefolder.stratified_split(labels, d.val_fraction, cfg.seed)
-        train_items, val_items = [items[i] for i in tr], [items[i] for i in va]
-        meta["split"] = f"stratified, val_fraction {d.val_fraction}, seed {cfg.seed}"
+        _imagefolder_source(cfg, path, folder, meta)
+    return True
+
+
+def _archive_source(cfg: Config, path: Path, folder: Path, meta: dict[str, Any]) -> None:
+    """CIFAR/MNIST: val held out of the official training files, test = the official test
+    files (never seen by model selection)."""
+    d = cfg.data
+    reader = archives.read_cifar if d.source.startswith("cifar") else archives.read_idx
+    official, classes, report = reader(d.source, path, d.verify_checksum)
+    for split, (_, labels) in official.items():
+        prepared.check_labels(labels, len(classes), split)
+    x, y = official["train"]
+    tr, va = splits.train_val(y, cfg, classes)
+    parts = {"train": (x[tr], y[tr], d.train_size), "val": (x[va], y[va], d.val_size),
+             "test": (*official["test"], d.test_size)}
+    for i, (split, (xs, ys, cap)) in enumerate(parts.items()):
+        xs, ys = _cap(xs, ys, cap, cfg.seed + i)
+        prepared.save_split(folder, split, archives.resize_all(xs, d.store_size), ys)
+    meta["classes"] = classes
+    meta["checksums"] = report
+    meta["split"] = (f"val: stratified {d.val_fraction} of the official training set (seed "
+                     f"{cfg.seed}); test: the official test set")
+
+
+def _folder_items(cfg: Config, path: Path, meta: dict[str, Any]):
+    """(classes, {split: [(file, label)]}): train/, val/, test/ folders where they exist,
+    the rest held out of the training pool by data.test_fraction and data.val_fraction."""
+    d = cfg.data
+    has = {s: (path / s).is_dir() for s in prepared.SPLITS}
+    classes, pool = imagefolder.scan(path / "train" if has["train"] else path)
+    items, how = {}, []
+    for split in ("test", "val"):
+        if has["train"] and has[split]:
+            found, items[split] = imagefolder.scan(path / split)
+            if found != classes:
+                raise UserError(f"{path}/{split} has classes {found}, {path}/train has "
+                                f"{classes}; they must be the same folders")
+            how.append(f"{split}: {path.name}/{split}/")
+            continue
+        labels = np.array([label for _, label in pool])
+        keep, held = (splits.pool_test if split == "test" else splits.train_val)(
+            labels, cfg, classes)
+        items[split] = [pool[i] for i in held]
+        pool = [pool[i] for i in keep]
+        fraction = d.test_fraction if split == "test" else d.val_fraction
+        how.append(f"{split}: stratified {fraction} held out (seed {cfg.seed})")
+    items["train"] = pool
+    meta["split"] = "; ".join(how)
+    return classes, items
+
+
+def _imagefolder_source(cfg: Config, path: Path, folder: Path, meta: dict[str, Any]) -> None:
+    d = cfg.data
+    classes, items = _folder_items(cfg, path, meta)
     if len(classes) < 2:
         raise UserError(f"{path} has one class folder ({classes[0]}); classification needs at "
                         f"least two: add a folder per class")
-    if not val_items:
-        raise UserError(f"the validation split of {path} is empty: raise data.val_fraction "
-                        f"(now {d.val_fraction}) or add images (or a val/ folder)")
-    train_items = _cap_items(train_items, d.train_size, cfg.seed)
-    val_items = _cap_items(val_items, d.val_size, cfg.seed + 1)
+    caps = {"train": d.train_size, "val": d.val_size, "test": d.test_size}
+    items = {s: _cap_items(items[s], caps[s], cfg.seed + i)
+             for i, s in enumerate(prepared.SPLITS)}
     nworkers = imagefolder.workers(d.prepare_workers)
     skipped = []
-    total = len(train_items) + len(val_items)
+    total = sum(len(v) for v in items.values())
     with tqdm(total=total, desc="decode", unit="img", file=sys.stderr,
               disable=None, mininterval=1.0) as bar:
-        for split, items in (("train", train_items), ("val", val_items)):
-            _, bad = imagefolder.decode_into(folder, split, items, d.image_size, d.grayscale,
-                                             nworkers, bar)
+        for split in prepared.SPLITS:
+            _, bad = imagefolder.decode_into(folder, split, items[split], d.store_size,
+                                             d.grayscale, nworkers, bar)
             skipped += bad
     if total and len(skipped) / total > d.max_bad_fraction:
         shown = "; ".join(f"{f} ({why})" for f, why in skipped[:3])
@@ -177,7 +218,6 @@ def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
     meta["classes"] = classes
     meta["skipped"] = [{"file": f, "reason": why} for f, why in skipped]
     meta["prepare_workers"] = nworkers
-    return True
 
 
 def prepare(cfg: Config, force: bool = False, out: Path | None = None,
@@ -222,14 +262,15 @@ def _build(cfg: Config, folder: Path, fp: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"source": cfg.data.source, "path": cfg.data.path,
                             "fingerprint": fp, "settings": settings(cfg),
                             "settings_fingerprint": settings_fingerprint(cfg),
-                            "image_size": cfg.data.image_size}
+                            "image_size": cfg.data.image_size,
+                            "store_size": cfg.data.store_size}
     if not _build_arrays(cfg, folder, meta):  # a user dataset, read as it is when training
         prepared.write_json_atomic(folder / "meta.json", meta)
         return meta
     meta["num_classes"] = len(meta["classes"])
     seconds = time.perf_counter() - t0
     meta = prepared.finish(folder, meta)
-    n = meta["counts"]["train"]["total"] + meta["counts"]["val"]["total"]
+    n = sum(c["total"] for c in meta["counts"].values())
     meta["seconds"] = round(seconds, 3)
     meta["images_per_s"] = round(n / max(seconds, 1e-9), 1)
     meta["bytes_written"] = sum(meta["bytes"].values())
@@ -244,7 +285,8 @@ def describe(meta: dict[str, Any], folder: Path, did_work: bool) -> str:
         c = meta["counts"]
         return "\n".join(lines + [
             f"  data.factory {meta['settings'].get('data.factory')}: train {c['train']['total']}"
-            f", val {c['val']['total']} items, input shape {meta['input_shape']}, "
+            f", val {c['val']['total']}, test {c['test']['total']} items, input shape "
+            f"{meta['input_shape']}, "
             f"num_classes {meta['num_classes']} (read through DataLoader when training)"])
     for split in prepared.SPLITS:
         c = meta["counts"][split]
@@ -252,6 +294,8 @@ def describe(meta: dict[str, Any], folder: Path, did_work: bool) -> str:
         if len(per) > 300:
             per = per[:300] + ", ..."
         lines.append(f"  {split}: {c['total']} images ({per})")
+    if meta.get("split"):
+        lines.append(f"  splits: {meta['split']}")
     lines.append(f"  image shape {tuple(meta['image_shape'])}, mean {meta['mean']}, "
                  f"std {meta['std']}")
     if meta.get("skipped"):

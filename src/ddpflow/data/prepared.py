@@ -1,11 +1,14 @@
 """The prepared on-disk format every data source is turned into, once.
 
 A prepared dataset is a folder with
-    train_images.npy  uint8 [N, H, W, C]   (memory-mappable, NHWC)
+    train_images.npy  uint8 [N, S, S, C]   (memory-mappable, NHWC; S = data.store_size)
     train_labels.npy  int64 [N]
-    val_images.npy    uint8 [M, H, W, C]
+    val_images.npy    uint8 [M, S, S, C]   (held out of the training data: model selection)
     val_labels.npy    int64 [M]
-    meta.json         classes, counts, mean/std, source, sha256 of each array, format version
+    test_images.npy   uint8 [T, S, S, C]   (the honest figure; T may be 0: no test split)
+    test_labels.npy   int64 [T]
+    meta.json         classes, counts, mean/std, source, how the splits were drawn,
+                      sha256 of each array, format version
 It is built in a sibling `.<name>.partial-*` folder and renamed into place only when
 complete; meta.json is written last; `<name>.lock` admits one writer at a time.
 A folder without a valid meta.json is never read as a dataset.
@@ -26,8 +29,8 @@ import numpy as np
 
 from ..errors import UserError
 
-FORMAT_VERSION = 1
-SPLITS = ("train", "val")
+FORMAT_VERSION = 2  # 2: three splits (test) and store_size
+SPLITS = ("train", "val", "test")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -83,6 +86,12 @@ def save_split(folder: Path, split: str, images: np.ndarray, labels: np.ndarray)
     del out_x, out_y
 
 
+def empty_like(folder: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Zero images shaped like `split`'s (a split a source does not have)."""
+    x = np.load(Path(folder) / f"{split}_images.npy", mmap_mode="r")
+    return np.zeros((0, *x.shape[1:]), np.uint8), np.zeros(0, np.int64)
+
+
 def channel_stats(images: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
     """Per-channel mean and std on the 0..1 scale, streamed in chunks (float64 sums)."""
     c = images.shape[-1]
@@ -99,15 +108,19 @@ def channel_stats(images: np.ndarray, chunk: int = 4096) -> tuple[list[float], l
     return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
 
 
+def check_labels(y: np.ndarray, num_classes: int, split: str) -> None:
+    if len(y) and (y.min() < 0 or y.max() >= num_classes):
+        raise UserError(f"labels out of range in the {split} split: found {int(y.min())}.."
+                        f"{int(y.max())}, expected 0..{num_classes - 1}; "
+                        f"the source files are corrupt or of another dataset")
+
+
 def finish(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Check labels, compute stats and checksums, write meta.json last."""
     counts = {}
     for split in SPLITS:
         y = np.load(folder / f"{split}_labels.npy", mmap_mode="r")
-        if len(y) and (y.min() < 0 or y.max() >= meta["num_classes"]):
-            raise UserError(f"labels out of range in the {split} split: found {int(y.min())}.."
-                            f"{int(y.max())}, expected 0..{meta['num_classes'] - 1}; "
-                            f"the source files are corrupt or of another dataset")
+        check_labels(y, meta["num_classes"], split)
         per_class = np.bincount(y, minlength=meta["num_classes"]).tolist()
         counts[split] = {"total": int(len(y)), "per_class": per_class}
     if counts["train"]["total"] == 0:
