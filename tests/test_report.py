@@ -56,6 +56,14 @@ def test_tables_checksums_and_manifest(run):
     assert man["config_hash"] and man["seed"] == 0 and len(man["git_revision"]) >= 7
     assert man["stages"]["a"]["command"]["argv"][1:3] == ["-m", "torch.distributed.run"]
     assert man["image"]["engine"] == "none"
+    summary = json.loads((out / "summary.json").read_text())
+    ev = summary["evaluation"]
+    stage_b = json.loads((run / "results/wf/stages/b/summary.json").read_text())
+    assert ev["stage"] == "b" and ev["split"] == "test" and ev["samples"] > 0
+    assert ev["acc"] == pytest.approx(stage_b["test_acc"])  # evaluate == the stage's own
+    assert float(rows[1]["test_acc"]) == pytest.approx(stage_b["test_acc"])
+    assert all(c["ok"] for c in summary["export"]["checks"].values())
+    assert "test split   acc" in (out / "headline.txt").read_text()
 
 
 def test_report_renders_in_headless_chromium(run, tmp_path):
@@ -68,9 +76,13 @@ def test_report_renders_in_headless_chromium(run, tmp_path):
     dom = subprocess.run([chromium, *flags, "--virtual-time-budget=5000", "--dump-dom", page],
                          capture_output=True, text=True, timeout=120).stdout
     body = re.search(r"<body[^>]*>", dom).group(0)
-    assert 'data-images-loaded="3"' in body and 'data-images-total="3"' in body, body
+    # loss/accuracy, throughput, rank step times and the test split's confusion matrix
+    assert 'data-images-loaded="4"' in body and 'data-images-total="4"' in body, body
     headline = dom.split('id="headline"')[1].split("</table>")[0]
     assert "<td>a</td>" in headline and "<td>b</td>" in headline
+    assert "test acc (test split)" in headline
+    # the workflow evaluated the last stage on the test split and exported it
+    assert 'id="test"' in dom and "held-out images" in dom and 'id="export"' in dom
     shot = tmp_path / "shot.png"
     subprocess.run([chromium, *flags, f"--screenshot={shot}", page], capture_output=True,
                    timeout=120, check=True)

@@ -21,7 +21,7 @@ BIN = Path(sys.executable).parent
 TINY = {
     "run": "wf",
     "log_every_steps": 4,
-    "data": {"train_size": 512, "val_size": 128, "image_size": 16},
+    "data": {"train_size": 512, "val_size": 128, "test_size": 128, "image_size": 16},
     "hardware": {"nproc_per_node": 2, "threads_per_rank": 1},
     "stages": [
         {"name": "a", "epochs": 1, "batch_size": 32, "lr": 0.1},

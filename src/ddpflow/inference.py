@@ -21,6 +21,7 @@ from .data import crops, imagefolder
 from .data.loaders import Normalize
 from .errors import UserError
 from .models import build_model, input_channels
+from .userimport import add_code_dirs
 
 WEIGHTS = {  # --weights: which file, which entry
     "final": ("final.pt", "model"),  # what the stage hands on (the EMA's when it had one)
@@ -60,6 +61,7 @@ def stage_model(cfg: Config, meta: dict, stage: str, kind: str = "final"):
         raise UserError("evaluate, export and predict work on prepared images; a data.source "
                         "python dataset without data.materialize has none")
     sd, record = stage_weights(cfg, stage, kind)
+    add_code_dirs(cfg)  # model.code_dir on sys.path: a user's model builder imports
     channels = input_channels(cfg.model.name, meta["image_shape"][2])
     model = build_model(cfg.model, meta["num_classes"], channels)
     checkpoint.check_fits(model, sd, f"{record['file']} ({kind})")
