@@ -28,16 +28,19 @@ def launch_stage(tmp: Path, name: str, cfg: dict, prepare: bool = True) -> dict:
     return summary
 
 
-def pil_loader(images, labels, batch, mean, std, workers, sampler=None):
-    """A DataLoader over PIL images: RandomCrop(pad 4), flip, ToTensor, Normalize."""
+def pil_loader(images, labels, batch, mean, std, workers, sampler=None, crop=None,
+               collate=None):
+    """A DataLoader over PIL images: `crop` (default RandomCrop(pad 4)), flip, ToTensor,
+    Normalize, per sample in the workers; `collate` (e.g. with torchvision's MixUp)."""
     import torchvision.transforms as T
     from PIL import Image
 
     class PILSet(torch.utils.data.Dataset):
         def __init__(self):
             self.pil = [Image.fromarray(x) for x in images]  # decoded, as in CIFAR10()
-            self.tf = T.Compose([T.RandomCrop(images.shape[1], padding=4),
-                                 T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+            first = crop or T.RandomCrop(images.shape[1], padding=4)
+            self.tf = T.Compose([first, T.RandomHorizontalFlip(), T.ToTensor(),
+                                 T.Normalize(mean, std)])
 
         def __len__(self):
             return len(self.pil)
@@ -49,4 +52,4 @@ def pil_loader(images, labels, batch, mean, std, workers, sampler=None):
     sampler = sampler(ds) if sampler else None
     return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=sampler is None,
                                        sampler=sampler, num_workers=workers, drop_last=True,
-                                       persistent_workers=workers > 0)
+                                       persistent_workers=workers > 0, collate_fn=collate)

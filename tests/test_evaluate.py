@@ -12,8 +12,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import ddpflow, tiny_config, write_config
 
+from conftest import ddpflow, tiny_config, write_config
 from ddpflow.data.crops import center_crop, random_resized_crop
 from fixtures import image_tree
 

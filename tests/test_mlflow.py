@@ -97,14 +97,16 @@ def test_workflow_logs_to_a_real_mlflow_server_and_survives_its_absence(tmp_path
         assert run.data.params["stages.0.lr"] == "0.1" and run.data.params["run"] == "wf"
         assert run.data.params[f"stages.{'ab'.index(stage)}.lr"] == lr
         assert {"train/loss", "train/lr", "perf/samples_per_s", "val/acc",
-                "val/loss"} <= set(run.data.metrics)
+                "val/loss", "test/acc"} <= set(run.data.metrics)
         assert {a.path for a in c.list_artifacts(run.info.run_id)} >= {"summary.json",
                                                                         "metrics.jsonl"}
     steps = {s: [m.step for m in c.get_metric_history(named[s].info.run_id, "train/loss")]
              for s in "ab"}
     assert steps["a"] == sorted(set(steps["a"])) and min(steps["b"]) > max(steps["a"])
     assert named["wf"].info.status == "FINISHED"  # collect finished it, with the report
-    assert "report.html" in {a.path for a in c.list_artifacts(parent)}
+    # the report, the export bundle and the test split's evaluation, as artifacts
+    assert {"report.html", "export", "test-final"} <= {a.path for a in c.list_artifacts(parent)}
+    assert "export/model.onnx" in {a.path for a in c.list_artifacts(parent, "export")}
 
     # the server goes away: training is not failed by it, the log says so, nothing is lost
     server.stop()

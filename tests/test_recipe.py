@@ -55,6 +55,19 @@ def test_recipe_options_that_cannot_apply_are_one_message():
     with pytest.raises(UserError, match="stages.0.random_erasing acts on prepared arrays"):
         from_dict({"data": {"source": "python", "factory": "m:f"},
                    "stages": [{"name": "a", "random_erasing": 0.5}]})
+    rrc = {"random_resized_crop": {"scale": [0.2, 1.0]}}
+    with pytest.raises(UserError, match="data.store_size 24 is smaller than data.image_size "
+                                        "32; the augment.random_resized_crop crops from"):
+        from_dict({"data": {"store_size": 24, "augment": rrc}, "stages": [{"name": "a"}]})
+    with pytest.raises(UserError, match=r"random_resized_crop.scale \[0.9, 0.5\] must be"):
+        from_dict({"data": {"store_size": 40, "augment": {"random_resized_crop": {
+            "scale": [0.9, 0.5]}}}, "stages": [{"name": "a"}]})
+    # resolved: store_size from the source, the crop's defaults, pad-and-crop replaced
+    cfg = from_dict({"data": {"source": "imagefolder", "path": "x", "image_size": 64,
+                              "augment": {"random_resized_crop": {}}}, "stages": [{"name": "a"}]})
+    assert cfg.data.store_size == 74 and cfg.data.augment.crop_padding == 0
+    assert cfg.data.augment.random_resized_crop == {"scale": [0.08, 1.0], "ratio": [0.75, 4 / 3]}
+    assert from_dict({"stages": [{"name": "a"}]}).data.store_size == 32
 
 
 def _trainer(stop: dict, monitor=("val_acc", "max")):

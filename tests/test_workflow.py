@@ -30,6 +30,10 @@ TINY = {
 }
 
 
+# the jobs after a last stage that ran: evaluation on the test split and the export
+AFTER = {"evaluate": 1, "export": 1}
+
+
 def snakemake(workdir: Path, *args, snakefile: Path = REPO / "Snakefile", config="tiny.yaml",
               activated: bool = True):
     """`activated=False`: .venv/bin/snakemake with the venv's bin/ not on PATH."""
@@ -88,7 +92,7 @@ def test_full_run_rerun_and_partial_rerun(wf):
     changed = json.loads(json.dumps({**TINY, "results_dir": ODD_RESULTS}))
     changed["stages"][1]["lr"] = 0.05
     write(wf, changed)
-    assert planned(snakemake(wf, "-n")) == {"train": 1, "collect": 1, "all": 1}
+    assert planned(snakemake(wf, "-n")) == {"train": 1, **AFTER, "collect": 1, "all": 1}
     proc = snakemake(wf)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (res / "data/meta.json").stat().st_mtime_ns == stamp[res / "data/meta.json"]
@@ -100,11 +104,11 @@ def test_full_run_rerun_and_partial_rerun(wf):
     # an earlier stage's lr reruns it and everything after it, not the data
     changed["stages"][0]["lr"] = 0.2
     write(wf, changed)
-    assert planned(snakemake(wf, "-n")) == {"train": 2, "collect": 1, "all": 1}
+    assert planned(snakemake(wf, "-n")) == {"train": 2, **AFTER, "collect": 1, "all": 1}
     # a data setting reruns the preparation and every stage
     changed["data"]["val_size"] = 100
     write(wf, changed)
-    assert planned(snakemake(wf, "-n")) == {"prepare_data": 1, "train": 2, "collect": 1,
+    assert planned(snakemake(wf, "-n")) == {"prepare_data": 1, "train": 2, **AFTER, "collect": 1,
                                             "all": 1}
 
 
@@ -122,16 +126,17 @@ def test_code_and_dockerfile_changes_rerun_what_they_affect(tmp_path):
     assert "Nothing to be done" in (snakemake(wf, "-n", snakefile=sf).stdout)
     with open(tree / "src/ddpflow/train.py", "a") as f:
         f.write("\n# a change to the trainer\n")
-    assert planned(snakemake(wf, "-n", snakefile=sf)) == {"train": 2, "collect": 1, "all": 1}
+    assert planned(snakemake(wf, "-n", snakefile=sf)) == {"train": 2, **AFTER, "collect": 1,
+                                                          "all": 1}
     with open(tree / "src/ddpflow/data/prepare.py", "a") as f:
         f.write("\n# a change to data preparation\n")
     assert planned(snakemake(wf, "-n", snakefile=sf)) == {
-        "prepare_data": 1, "train": 2, "collect": 1, "all": 1}
+        "prepare_data": 1, "train": 2, **AFTER, "collect": 1, "all": 1}
     # with a container engine, the Dockerfile feeds the image, which feeds every stage
     docker = {**TINY, "container": {"engine": "docker"}}
     write(wf, docker, "docker.yaml")
     assert planned(snakemake(wf, "-n", snakefile=sf, config="docker.yaml")) == {
-        "image": 1, "prepare_data": 1, "train": 2, "collect": 1, "all": 1}
+        "image": 1, "prepare_data": 1, "train": 2, **AFTER, "collect": 1, "all": 1}
 
 
 def test_tune_rule_runs_before_the_stages_that_use_it(tmp_path):
@@ -140,7 +145,7 @@ def test_tune_rule_runs_before_the_stages_that_use_it(tmp_path):
     cfg["stages"][0].update(batch_size="auto", precision="auto")
     write(tmp_path, cfg)
     assert planned(snakemake(tmp_path, "-n")) == {"image": 1, "prepare_data": 1, "tune": 1,
-                                                  "train": 2, "collect": 1, "all": 1}
+                                                  "train": 2, **AFTER, "collect": 1, "all": 1}
     proc = snakemake(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = tmp_path / "results/wf"
@@ -154,7 +159,7 @@ def test_tune_rule_runs_before_the_stages_that_use_it(tmp_path):
     # a tune setting re-measures and reruns the stages after it, not the data
     cfg["tune"]["max_batch"] = 32
     write(tmp_path, cfg)
-    assert planned(snakemake(tmp_path, "-n")) == {"tune": 1, "train": 2, "collect": 1,
+    assert planned(snakemake(tmp_path, "-n")) == {"tune": 1, "train": 2, **AFTER, "collect": 1,
                                                   "all": 1}
 
 
@@ -269,7 +274,7 @@ def test_an_image_added_to_the_folder_reruns_preparation(tmp_path):
     assert "Nothing to be done" in snakemake(tmp_path, "-n").stdout
     shutil.copy2(root / "cat/img000.png", root / "cat/img999.png")  # one more image
     assert planned(snakemake(tmp_path, "-n")) == {"prepare_data": 1, "train": 1,
-                                                  "collect": 1, "all": 1}
+                                                  **AFTER, "collect": 1, "all": 1}
 
 
 def example(tmp_path: Path, name: str) -> Path:
@@ -298,7 +303,7 @@ def test_examples_run_and_a_model_edit_reruns_only_training(tmp_path):
     model_file = cfg.parent / "tinynet.py"
     model_file.write_text(model_file.read_text() + "\n# tuned the blocks\n")
     dry = snakemake(tmp_path, "-n", config="examples/own_model/config.yaml")
-    assert planned(dry) == {"train": 2, "collect": 1, "all": 1}, dry.stdout[-2000:]
+    assert planned(dry) == {"train": 2, **AFTER, "collect": 1, "all": 1}, dry.stdout[-2000:]
     stale = subprocess.run([str(BIN / "ddpflow"), "collect", "--config", str(cfg)],
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert "STALE" in stale.stdout + stale.stderr and "code of yours" in stale.stdout

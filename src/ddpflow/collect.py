@@ -227,8 +227,10 @@ def headline(cfg: Config, rows: list[dict], evaluation: dict | None = None) -> s
     for r in rows:
         if r["finished"]:
             m = r.get("monitor") or "val_acc"
+            test = "test_" + m.split("_", 1)[-1]
             shown = result_text({"monitor": m, "final_metrics": {m: r.get(f"final_{m}")},
-                                 "best_value": r.get("best_value", r.get("best_val_acc"))})
+                                 "best_value": r.get("best_value", r.get("best_val_acc")),
+                                 test: r.get(test)})
             lines.append(f"  {r['stage']:12s} {shown}  {r['steps']} steps  "
                          f"{r['wall_time_s']:.0f} s ({r.get('startup_s') or 0:.0f} s start-up)  "
                          f"{r.get('wall_samples_per_s') or 0:.0f} samples/s overall, "

@@ -29,6 +29,7 @@ from torch import nn
 from . import distributed
 from .config import Config, StageCfg
 from .data import prepared
+from .data.crops import center_crop
 from .data.loaders import Normalize, TrainBatches, forever
 from .data.prepare import settings_fingerprint
 from .data.prepared import write_json_atomic
@@ -234,7 +235,9 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     def fits(b: int) -> bool:
         idx = torch.randint(0, len(labels), (b,))
         norm = Normalize(meta["mean"], meta["std"], d.device, in_ch, False)
-        x = norm(torch.from_numpy(images[idx.numpy()]).to(d.device))
+        # the training crop's size: memory is measured at what the model sees
+        x = center_crop(norm(torch.from_numpy(images[idx.numpy()]).to(d.device)),
+                        cfg.data.image_size)
         y = torch.from_numpy(labels[idx.numpy()]).to(d.device)
         try:
             need = step_memory(base, x, y, dtypes[precision], d.device) + ddp_extra
@@ -274,7 +277,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         norm = Normalize(meta["mean"], meta["std"], d.device, in_ch, channels_last)
         tb = TrainBatches(loader, images, labels, batch, d.device, d.world, d.rank, cfg.seed,
                           cfg.data.augment, norm, workers, cfg.data.pin_memory,
-                          workers > 0, prefetch)
+                          workers > 0, prefetch, image_size=cfg.data.image_size)
         sps, wait = _throughput(run_model, forever(tb.epoch), tc.steps, dtypes[prec], d.device,
                                 opt)
         return {"samples_per_s": sps * d.world, "data_wait_fraction": wait}

@@ -10,8 +10,11 @@ rule collect:
     input:
         expand(f"{RESULTS}/stages/{{stage}}/summary.json", stage=STAGES),
         image=f"{RESULTS}/image.json",
-        evaluated=rules.evaluate.output.metrics,
-        bundle=rules.export.output.bundle,
+        held_out=(
+            [rules.evaluate.output.metrics, rules.export.output.bundle]
+            if HELD_OUT
+            else []
+        ),
     output:
         summary=f"{RESULTS}/summary/summary.json",
         csv=report(

@@ -75,6 +75,11 @@ def sweep_plan():
 PLAN = sweep_plan()
 SWEEP = PLAN is not None
 WCFG = workflow_config()
+# evaluate and export need a classifier on prepared images (not a data.source python
+# dataset read as it is, nor a regression task): the last stage's test split and bundle
+HELD_OUT = config["task"]["name"] == "classification" and (
+    config["data"]["source"] != "python" or config["data"]["materialize"]
+)
 
 
 def files_version(files, root=None):
