@@ -6,7 +6,7 @@ training and against torchvision's per-sample RandomResizedCrop in DataLoader wo
 Same model, images, batch and precision for every variant; training steps only:
   compute-only   the device path's first-epoch batches, kept in memory (no work per step)
   device         ddpflow's device loader: uint8 images stored at 1.15 x size, one batched
-                 roi_align random-resized-crop + flip, batched mixup (TrainBatches)
+                 grid_sample random-resized-crop + flip, batched mixup (TrainBatches)
   torchvision    DataLoader workers over the same stored images as PIL: per-sample
                  RandomResizedCrop(size) + flip + ToTensor + Normalize, then torchvision's
                  batched MixUp in the collate function (as a user would write it)

@@ -74,8 +74,8 @@ def mix(x: torch.Tensor, y: torch.Tensor, r: Recipe, seed: tuple):
         x = x.clone()
         x[:, :, y0:y1, x0:x1] = other[:, :, y0:y1, x0:x1]
         lam = 1.0 - (y1 - y0) * (x1 - x0) / (h * w)
-    else:
-        x = x * lam + other * (1.0 - lam)
+    else:  # lam * x + (1 - lam) * partner, in one pass over the partner's copy
+        x = other.lerp_(x, lam)
     onehot = F.one_hot(y, r.num_classes).to(x.dtype if x.is_floating_point() else torch.float)
     return x, onehot * lam + onehot.flip(0) * (1.0 - lam)
 
