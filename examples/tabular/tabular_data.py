@@ -1,6 +1,6 @@
 """A user's own dataset factory: tabular regression, nothing like an image.
 
-ddpflow calls `make(split, **data.kwargs)` once per rank and split ("train", "val"); it
+ddpflow calls `make(split, **data.kwargs)` once per rank and split ("train", "val", "test"); it
 returns a map-style Dataset whose items are (features, target) tensors.
 """
 
@@ -31,4 +31,5 @@ def make(split: str, train_size: int = 4096, val_size: int = 1024, features: int
          seed: int = 0) -> Dataset:
     if split == "train":
         return Waves(train_size, features, seed)
-    return Waves(val_size, features, seed + 1)
+    # val and test: other draws of the same function (test is read once per stage end)
+    return Waves(val_size, features, seed + (1 if split == "val" else 2))
