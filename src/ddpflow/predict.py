@@ -74,6 +74,9 @@ def predict(bundle: str, inputs: list[str], out: str, top_k: int = 5, fmt: str =
             device: str = "auto") -> int:
     folder = Path(bundle)
     spec = load_bundle(folder)
+    if device not in ("auto", "cpu", "cuda") or (device == "cuda" and
+                                                 not torch.cuda.is_available()):
+        raise UserError(f"--device {device}: use auto, cpu or cuda (cuda needs a visible GPU)")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)
     run = _runner(spec, folder, fmt, dev)
