@@ -191,6 +191,10 @@ def test_a_format_that_fails_is_named_and_the_others_are_written(tmp_path):
     # the stage had no EMA: asking for its EMA weights is a clear error
     r = ddpflow("evaluate", "--config", p, "--weights", "ema")
     assert r.returncode != 0 and "kept no EMA" in r.stderr and "Traceback" not in r.stderr
+    # a stage made from another config is exported as it is, never silently
+    raw["stages"][0]["lr"] = 0.5
+    r = ddpflow("export", "--config", write_config(tmp_path, raw), "--out", tmp_path / "b2")
+    assert "stage 's1' is stale: made with another config" in r.stderr
 
 
 @pytest.mark.slow

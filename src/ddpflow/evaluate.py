@@ -24,7 +24,7 @@ from .data import imagefolder, prepared
 from .data.prepare import check_settings
 from .data.prepared import write_json_atomic
 from .errors import UserError
-from .inference import decode, preprocess, scores, stage_model
+from .inference import decode, preprocess, scores, stage_model, warn_if_stale
 from .models import input_channels
 
 BATCH = 256  # images per forward, per rank
@@ -42,6 +42,10 @@ def launch(cfg: Config, stage: str | None, split: str, images: str | None, weigh
     stage = stage or cfg.stages[-1].name
     cfg.stage(stage)
     meta = _meta(cfg)
+    if images is not None and not Path(images).is_dir():
+        raise UserError(f"--images {images} is not a folder; give a labelled folder "
+                        f"DIR/<class>/<image> (class names as in training)")
+    warn_if_stale(cfg, stage)
     if images is None and meta["counts"][split]["total"] == 0:
         if not allow_empty:
             raise UserError(f"the prepared data has no {split} split (data.test_fraction 0, "

@@ -31,7 +31,7 @@ from .config import Config
 from .data import crops, prepared
 from .data.prepare import check_settings
 from .errors import UserError
-from .inference import preprocess, stage_model
+from .inference import preprocess, stage_model, warn_if_stale
 from .models import input_channels
 
 OPSET = 17
@@ -48,6 +48,7 @@ def export(cfg: Config, stage: str | None = None, out: str | None = None) -> int
     if meta is None:
         raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
     check_settings(cfg, meta)
+    warn_if_stale(cfg, stage)
     model, record = stage_model(cfg, meta, stage, "final")
     channels = input_channels(cfg.model.name, meta["image_shape"][2])
     x = _check_batch(cfg, meta, channels)

@@ -10,6 +10,7 @@ so `predict` on a file gives what `evaluate` gives on the same file.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,17 @@ def stage_weights(cfg: Config, stage: str, kind: str = "final") -> tuple[dict, d
               "weights": kind, "holds": "raw" if key == "model_raw" else holds,
               "step": ck.get("step")}
     return ck[key], record
+
+
+def warn_if_stale(cfg: Config, stage: str) -> None:
+    """A stage result made from other inputs than the config names is still evaluated or
+    exported (it is what is on disk), but never silently."""
+    from .provenance import stage_result
+
+    _, stale = stage_result(cfg, stage)
+    if stale:
+        print(f"ddpflow: warning: stage '{stage}' is {stale}; its weights are "
+              f"used as they are (run the stage again for a fresh result)", file=sys.stderr)
 
 
 def stage_model(cfg: Config, meta: dict, stage: str, kind: str = "final"):
