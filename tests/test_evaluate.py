@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ddpflow, tiny_config, write_config
+from conftest import REPO, ddpflow, tiny_config, write_config
 from ddpflow.data.crops import center_crop, random_resized_crop
 from fixtures import image_tree
 
@@ -225,3 +225,12 @@ def test_model_selection_never_reads_the_test_split(tmp_path):
             for n in (32, 96)]
     assert meta[0]["sha256"]["train_images.npy"] == meta[1]["sha256"]["train_images.npy"]
     assert sum_a["test_metrics"] != sum_b["test_metrics"]
+
+
+def test_predict_refuses_a_bundle_that_is_not_a_classifier(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b/model.json").write_text(json.dumps(
+        {"format_version": 1, "task": "regression", "files": {}}))
+    r = ddpflow("predict", "--bundle", tmp_path / "b", tmp_path)
+    assert r.returncode == 2 and "holds a regression model" in r.stderr
+    assert "Traceback" not in r.stderr and not (REPO / "predictions.csv").exists()

@@ -36,6 +36,10 @@ def load_bundle(folder: str | Path) -> dict:
                         f"make one with `ddpflow export --config ...`") from None
     if not isinstance(spec, dict) or spec.get("format_version") != 1:
         raise UserError(f"{folder}/model.json is not a ddpflow export (format_version 1)")
+    if spec.get("task") != "classification":
+        raise UserError(f"{folder} holds a {spec.get('task')} model; predict writes classes "
+                        f"and probabilities, which only a classification model gives (load "
+                        f"model.ts or model.onnx yourself for its raw outputs)")
     for fmt, f in spec["files"].items():
         path = folder / f["file"]
         if not path.is_file():

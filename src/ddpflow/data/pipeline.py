@@ -49,7 +49,8 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
         return _user_dataset(cfg, d, meta, batch_size, trace)
     _, arrays = prepared.load(cfg.data_dir)
     train_x, train_y = arrays["train"]
-    nbytes = sum(a.nbytes for pair in arrays.values() for a in pair)
+    # what the device loader keeps resident: train and val (test is read once, streamed)
+    nbytes = sum(a.nbytes for split in ("train", "val") for a in arrays[split])
     workers, prefetch = cfg.data.num_workers, cfg.data.prefetch_factor
     if cfg.data.loader == "auto" and tuned:
         kind, workers, prefetch = tuned["loader"], tuned["num_workers"], tuned["prefetch_factor"]
