@@ -226,8 +226,11 @@ RRC = {"store_size": 22, "augment": {"random_resized_crop": {}}}
 
 @pytest.mark.parametrize("recipe,data", [
     (None, {}), (Recipe(0.5, 0.2, 1.0, num_classes=10), {}),
-    (Recipe(0.0, 0.2, 0.0, num_classes=10), RRC)],
-    ids=["crop-flip", "erasing-mixup-cutmix", "random-resized-crop-flip-mixup"])
+    (Recipe(0.0, 0.2, 0.0, num_classes=10), RRC),
+    (Recipe(0.0, 0.2, 0.0, num_classes=10), {**RRC, "encoding": "jpeg", "store_size": 22,
+                                              "shard_mb": 0.01})],
+    ids=["crop-flip", "erasing-mixup-cutmix", "random-resized-crop-flip-mixup",
+         "jpeg-shards-random-resized-crop-mixup"])
 def test_both_loaders_same_batches_disjoint_ranks(tmp_path, recipe, data):
     cfg = from_dict(tiny_config(tmp_path, data=data))
     prepare(cfg)

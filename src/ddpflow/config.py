@@ -54,10 +54,13 @@ class DataCfg:
     val_size: int | None
     test_size: int | None  # samples of the test split (synthetic: generated; real: a cap)
     store_size: int  # pixels of the stored square (>= image_size; resolved from null)
+    encoding: str  # raw (uint8 pixels) | jpeg (JPEG shards + index, decoded per batch)
+    jpeg_quality: int  # encoding jpeg: 1..100
+    shard_mb: float  # encoding jpeg: MiB of encoded images per shard file
     grayscale: bool
     val_fraction: float  # share of each class of the training data held out as val
     test_fraction: float  # image folders without test/: share of each class held out as test
-    max_bad_fraction: float  # imagefolder: tolerated share of unreadable files
+    max_bad_fraction: float  # tolerated share of unreadable files (and jpeg samples)
     verify_checksum: bool
     prepare_workers: int | str  # processes for decoding images ("auto" = all cores)
     loader: str  # auto | device | dataloader
@@ -412,6 +415,8 @@ def _check_images(data: dict[str, Any]) -> None:
         raise UserError(f"invalid config: data.store_size {data['store_size']} is smaller than "
                         f"data.image_size {size}; the {what} the stored image: set store_size "
                         f">= {size} (or null)")
+    if data["encoding"] == "jpeg":
+        _check_jpeg(data)
     if rrc is None:
         return
     rrc.setdefault("scale", [0.08, 1.0])  # torchvision's (and every ImageNet recipe's)
@@ -422,6 +427,24 @@ def _check_images(data: dict[str, Any]) -> None:
             raise UserError(f"invalid config: data.augment.random_resized_crop.{key} [{lo}, "
                             f"{hi}] must be [low, high] with low <= high")
     aug["crop_padding"] = aug["translate"] = 0  # the random box replaces pad-and-crop
+
+
+def _check_jpeg(data: dict[str, Any]) -> None:
+    """JPEG shards hold colour squares of an even size, written by prepare."""
+    if data["grayscale"]:
+        raise UserError("invalid config: data.encoding jpeg stores colour images; grayscale "
+                        "images are small and compress little: use encoding raw with "
+                        "grayscale, or grayscale: false")
+    if data["source"] == "python" and not data["materialize"]:
+        raise UserError("invalid config: data.encoding jpeg is how prepare stores images; a "
+                        "data.source python dataset is read as it is: set data.materialize: "
+                        "true, or encoding raw")
+    size = data["store_size"]
+    if size % 2 or size < 16:
+        raise UserError(f"invalid config: data.encoding jpeg needs an even data.store_size of "
+                        f"at least 16 (it is {size}): JPEG halves the colour planes, and CPU "
+                        f"and GPU decoders round an odd edge differently; set store_size to "
+                        f"{max(16, size + size % 2)} or use encoding raw")
 
 
 def _check_endpoints(d: dict[str, Any]) -> None:

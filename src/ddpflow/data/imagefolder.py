@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from . import shards
 from .prepared import open_split
 
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm"}
@@ -39,9 +40,10 @@ def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
 
 
 def decode_file(args):
-    """(path, size, grayscale) -> (uint8 HWC array of size x size, None) or (None, reason):
-    the short side resized to size and the centre square kept (predict reads files so)."""
-    path, size, grayscale = args
+    """(path, size, grayscale[, jpeg quality]) -> (uint8 HWC array of size x size, or its
+    JPEG bytes with a quality, None) or (None, reason): the short side resized to size and
+    the centre square kept (predict reads files so)."""
+    path, size, grayscale, *quality = args
     from PIL import Image, ImageOps
 
     try:
@@ -56,6 +58,8 @@ def decode_file(args):
             arr = np.asarray(im, dtype=np.uint8)
     except Exception as e:  # noqa: BLE001 - any decode failure is a bad file, reported
         return None, f"{type(e).__name__}: {e}"
+    if quality:  # encoded in the worker: the parent only appends bytes to the shard
+        return shards.encode(arr, quality[0]), None
     return (arr[..., None] if arr.ndim == 2 else arr), None
 
 
@@ -63,29 +67,45 @@ def workers(setting) -> int:
     return os.cpu_count() or 1 if setting == "auto" else int(setting)
 
 
-def decode_into(folder: Path, split: str, items, size: int, grayscale: bool, nworkers: int,
-                progress=None):
-    """Decode items into the split's arrays; returns (kept count, [(file, reason)] skipped)."""
-    channels = 1 if grayscale else 3
-    images, labels = open_split(folder, split, len(items), (size, size, channels))
-    skipped, kept = [], 0
-    jobs = [(f, size, grayscale) for f, _ in items]
+def _decoded(items, jobs, nworkers: int, progress):
+    """(file, label, result, error) per item, decoded by nworkers processes, in order."""
     pool = ProcessPoolExecutor(nworkers) if nworkers > 1 else None
-    results = (pool.map(decode_file, jobs, chunksize=64) if pool
-               else map(decode_file, jobs))
     try:
-        for (f, label), (arr, err) in zip(items, results):
+        results = pool.map(decode_file, jobs, chunksize=64) if pool else map(decode_file, jobs)
+        for (f, label), (out, err) in zip(items, results):
             if progress is not None:
                 progress.update(1)
-            if arr is None:
-                skipped.append((f, err))
-                continue
-            images[kept] = arr
-            labels[kept] = label
-            kept += 1
+            yield f, label, out, err
     finally:
         if pool:
             pool.shutdown()
+
+
+def decode_into(folder: Path, split: str, items, size: int, grayscale: bool, nworkers: int,
+                progress=None, store: dict | None = None):
+    """Decode items into the split's arrays, or (data.encoding jpeg) re-encode each in the
+    workers into JPEG shards; returns (kept count, [(file, reason)] skipped)."""
+    skipped = []
+    if store and store["encoding"] == "jpeg":
+        writer = shards.ShardWriter(folder, split, store["shard_bytes"])
+        jobs = [(f, size, False, store["quality"]) for f, _ in items]
+        for f, label, data, err in _decoded(items, jobs, nworkers, progress):
+            if data is None:
+                skipped.append((f, err))
+            else:
+                writer.append(data, label)
+        return writer.close(), skipped
+    channels = 1 if grayscale else 3
+    images, labels = open_split(folder, split, len(items), (size, size, channels))
+    kept = 0
+    jobs = [(f, size, grayscale) for f, _ in items]
+    for f, label, arr, err in _decoded(items, jobs, nworkers, progress):
+        if arr is None:
+            skipped.append((f, err))
+            continue
+        images[kept] = arr
+        labels[kept] = label
+        kept += 1
     images.flush()
     labels.flush()
     del images, labels

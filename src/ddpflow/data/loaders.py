@@ -10,6 +10,8 @@ per (seed, epoch, step, rank). So for the same seed they yield the same batches:
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from ..errors import UserError
 from .crops import center_crop, random_resized_crop
 from .mixing import Recipe, resize
 from .mixing import apply as apply_recipe
+from .shards import JpegImages, decode_cuda
 
 
 class EpochSampler(DistributedSampler):
@@ -95,11 +98,43 @@ class Normalize:
         return x
 
 
-class _Memmap(Dataset):
-    """Indexable view of the memory-mapped arrays; fetches a whole batch per call."""
+def read_rows(images, labels, idx):
+    """(uint8 images, labels, idx kept, [(index, reason)] unreadable) of rows idx: raw arrays
+    are read as they are, JPEG shards decoded on the CPU (in ascending file order)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    if isinstance(images, JpegImages):
+        x, kept, bad = images.fetch(idx)
+        idx = idx[kept]
+        return x, labels[idx], idx, bad
+    return images[idx], labels[idx], idx, []
 
-    def __init__(self, images, labels):
-        self.images, self.labels = images, labels
+
+class BadSamples:
+    """Unreadable samples met while reading a split: each reported once; more than
+    `fraction` of the split is a UserError naming the first (data.max_bad_fraction)."""
+
+    def __init__(self, split: str, total: int, fraction: float, rank: int):
+        self.split, self.total, self.fraction, self.rank = split, total, fraction, rank
+        self.seen: dict[int, str] = {}
+
+    def note(self, bad) -> None:
+        for i, why in bad:
+            if i not in self.seen:
+                self.seen[i] = why
+                print(f"ddpflow: rank {self.rank}: skipped unreadable {why}", file=sys.stderr)
+        if bad and len(self.seen) > self.fraction * self.total:
+            first = next(iter(self.seen.values()))
+            raise UserError(f"{len(self.seen)} unreadable samples of the {self.split} split's "
+                            f"{self.total}, more than data.max_bad_fraction="
+                            f"{self.fraction}; first: {first}; the prepared data is damaged: "
+                            f"run `ddpflow prepare --force` (the workflow re-prepares by itself)")
+
+
+class _Memmap(Dataset):
+    """Indexable view of the prepared arrays; fetches (and decodes) a whole batch per call."""
+
+    def __init__(self, images, labels, encoded: bool = False):
+        self.images, self.labels, self.encoded = images, labels, encoded
 
     def __len__(self):
         return len(self.labels)
@@ -108,8 +143,32 @@ class _Memmap(Dataset):
         return self.__getitems__([i])
 
     def __getitems__(self, idx):
-        images = torch.from_numpy(self.images[idx])
-        return images, torch.from_numpy(self.labels[idx]).long(), torch.as_tensor(idx)
+        if self.encoded:  # the JPEG bytes only: the GPU decodes the batch (shards.decode_cuda)
+            return self._encoded(idx)
+        images, labels, idx, bad = read_rows(self.images, self.labels, idx)
+        return (torch.from_numpy(images), torch.from_numpy(labels).long(),
+                torch.as_tensor(idx), bad)
+
+    def _encoded(self, idx):
+        bufs, kept, bad = [], [], []
+        for i in sorted(idx, key=lambda i: tuple(self.images.index[i][:2])):  # file order
+            try:
+                bufs.append(np.array(self.images.encoded(i)))
+                kept.append(i)
+            except ValueError as e:
+                bad.append((i, f"{self.images.where(i)}: {e}"))
+        return (bufs, torch.from_numpy(self.labels[kept]).long(), torch.as_tensor(kept), bad)
+
+
+def _decode_on_device(batch, images: JpegImages, device):
+    """Workers' encoded batch -> (uint8 NHWC on device, labels, idx, bad) via nvJPEG."""
+    bufs, y, idx, bad = batch
+    x, kept, failed = decode_cuda(bufs, device)
+    bad = bad + [(int(idx[i]), f"{images.where(int(idx[i]))}: {why}")
+                 for i, why in zip(sorted(set(range(len(bufs))) - set(kept)), failed)]
+    if x is None:
+        x = torch.zeros((0, *images.shape[1:]), dtype=torch.uint8, device=device)
+    return x, y[kept], idx[kept], bad
 
 
 def _as_is(batch):
@@ -122,26 +181,34 @@ class TrainBatches:
     def __init__(self, kind, images, labels, batch_size, device, world, rank, seed, aug,
                  normalize, num_workers=0, pin_memory=False, persistent_workers=False,
                  prefetch_factor=2, trace=None, recipe: Recipe | None = None,
-                 image_size: int | None = None):
+                 image_size: int | None = None, max_bad: float = 0.0):
         self.trace = trace  # optional text file: "epoch step idx..." per batch (an audit)
         self.image_size = image_size or images.shape[1]  # what training sees (<= stored)
         self.recipe = recipe if recipe is not None and recipe.active else None
         self.size_at = None  # epoch -> training size (progressive resizing), set by the trainer
         self.kind, self.batch_size, self.device = kind, batch_size, device
         self.rank, self.seed, self.aug, self.normalize = rank, seed, aug, normalize
-        self.sampler = EpochSampler(len(labels), world, rank, seed)
-        self.steps_per_epoch = self.sampler.num_samples // batch_size
+        self.bad = BadSamples("train", len(labels), max_bad, rank)
+        # JPEG shards on a GPU: workers read the bytes, nvJPEG decodes the batch
+        self.gpu_decode = (kind == "dataloader" and isinstance(images, JpegImages)
+                           and device.type == "cuda")
+        self.source = images
         if kind == "device":
-            # the whole split is copied to the device once; steps only index it
-            self.images = torch.from_numpy(np.array(images)).to(device)
-            self.labels = torch.from_numpy(np.array(labels)).long().to(device)
-        else:
+            # the whole split is copied (decoded) to the device once; steps only index it
+            x, y = _read_all(images, labels, self.bad)
+            self.images = torch.from_numpy(x).to(device)
+            self.labels = torch.from_numpy(y).long().to(device)
+        self.sampler = EpochSampler(len(self.labels) if kind == "device" else len(labels),
+                                    world, rank, seed)
+        self.steps_per_epoch = self.sampler.num_samples // batch_size
+        if kind != "device":
             workers = dict(persistent_workers=persistent_workers,
                            prefetch_factor=prefetch_factor) if num_workers > 0 else {}
             self.loader = DataLoader(
-                _Memmap(images, labels), batch_size=batch_size, sampler=self.sampler,
-                num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda",
-                drop_last=True, collate_fn=_as_is, **workers)
+                _Memmap(images, labels, encoded=self.gpu_decode), batch_size=batch_size,
+                sampler=self.sampler, num_workers=num_workers,
+                pin_memory=pin_memory and device.type == "cuda", drop_last=True,
+                collate_fn=_as_is, **workers)
 
     def __len__(self):
         return self.steps_per_epoch
@@ -154,8 +221,7 @@ class TrainBatches:
                        for i in range(self.steps_per_epoch - start_step))
             triples = ((self.images[idx], self.labels[idx], idx) for idx in batches)
         else:
-            triples = ((x.to(self.device, non_blocking=True),
-                        y.to(self.device, non_blocking=True), idx) for x, y, idx in self.loader)
+            triples = (self._on_device(batch) for batch in self.loader)
         size = self.size_at(epoch) if self.size_at else None
         for step, (x, y, idx) in enumerate(triples, start=start_step):
             if self.trace:
@@ -169,6 +235,16 @@ class TrainBatches:
             yield x, y
 
 
+    def _on_device(self, batch):
+        """A workers' batch on the training device; unreadable samples reported and left out."""
+        if self.gpu_decode:
+            x, y, idx, bad = _decode_on_device(batch, self.source, self.device)
+        else:
+            x, y, idx, bad = batch
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.bad.note(bad)
+        return x, y, idx
+
     def transform(self, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         """uint8 NHWC stored images -> normalised float NCHW at image_size: a random resized
         crop and mirror, or pad-and-crop and mirror then the evaluation's centre crop."""
@@ -177,6 +253,19 @@ class TrainBatches:
             return random_resized_crop(self.normalize(x), self.image_size, rrc["scale"],
                                        rrc["ratio"], self.aug.flip, g)
         return center_crop(self.normalize(augment(x, self.aug, g)), self.image_size)
+
+
+def _read_all(images, labels, bad: BadSamples, chunk: int = 4096):
+    """A whole split in host memory (decoded JPEG shards without their unreadable samples)."""
+    if not isinstance(images, JpegImages):
+        return np.array(images), np.array(labels)
+    xs, ys = [], []
+    for i in range(0, len(labels), chunk):
+        x, y, _, lost = read_rows(images, labels, np.arange(i, min(i + chunk, len(labels))))
+        bad.note(lost)
+        xs.append(x)
+        ys.append(y)
+    return np.concatenate(xs), np.concatenate(ys)
 
 
 def forever(make_epoch):
@@ -195,25 +284,30 @@ def forever(make_epoch):
 
 
 def val_batches(images, labels, device, world, rank, normalize, resident=False,
-                image_size: int | None = None):
+                image_size: int | None = None, split: str = "val", max_bad: float = 0.0):
     """(batch size) -> this rank's strided share of a validation (or test) split, in order,
     with the evaluation's centre crop to image_size. resident (the device loader): the
     share is copied to the device at the first validation and stays there."""
     size = image_size or images.shape[1]
-    idx = list(range(rank, len(labels), world))
+    idx = np.arange(rank, len(labels), world)
+    bad = BadSamples(split, len(labels), max_bad, rank)
     kept = {}
 
     def batches(batch_size: int):
         if resident and not kept:
-            kept["x"] = torch.from_numpy(np.ascontiguousarray(images[idx])).to(device)
-            kept["y"] = torch.from_numpy(labels[idx]).long().to(device)
-        for i in range(0, len(idx), batch_size):
+            x, y, _, lost = read_rows(images, labels, idx)
+            bad.note(lost)
+            kept["x"] = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+            kept["y"] = torch.from_numpy(y).long().to(device)
+        n = len(kept["y"]) if resident else len(idx)
+        for i in range(0, n, batch_size):
             if resident:
                 x, y = kept["x"][i:i + batch_size], kept["y"][i:i + batch_size]
             else:
-                part = idx[i:i + batch_size]
-                x = torch.from_numpy(images[part]).to(device, non_blocking=True)
-                y = torch.from_numpy(labels[part]).long().to(device, non_blocking=True)
+                x, y, _, lost = read_rows(images, labels, idx[i:i + batch_size])
+                bad.note(lost)
+                x = torch.from_numpy(x).to(device, non_blocking=True)
+                y = torch.from_numpy(y).long().to(device, non_blocking=True)
             yield center_crop(normalize(x), size), y
     return batches
 

@@ -65,12 +65,14 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                          cfg.seed, cfg.data.augment, normalize, workers, cfg.data.pin_memory,
                          cfg.data.persistent_workers, prefetch, trace=trace,
                          recipe=recipe and replace(recipe, num_classes=meta["num_classes"]),
-                         image_size=cfg.data.image_size)
+                         image_size=cfg.data.image_size,
+                         max_bad=cfg.data.max_bad_fraction)
     # validation and test: unaugmented, the standard centre crop (held on the device by
     # the device loader; the test split only once, at the stage's end)
     held = {split: val_batches(*arrays[split], d.device, d.world, d.rank, normalize,
                                resident=kind == "device" and split == "val",
-                               image_size=cfg.data.image_size) for split in ("val", "test")}
+                               image_size=cfg.data.image_size, split=split,
+                               max_bad=cfg.data.max_bad_fraction) for split in ("val", "test")}
     test = held["test"] if len(arrays["test"][1]) else None
     return Pipeline(train, held["val"], test, kind, reason, meta["num_classes"], channels,
                     len(train_y))

@@ -25,7 +25,7 @@ from . import archives, factory, imagefolder, prepared, splits, synthetic
 PREPARE_KEYS = ("source", "path", "image_size", "store_size", "num_classes", "difficulty",
                 "train_size",
                 "val_size", "test_size", "grayscale", "val_fraction", "test_fraction",
-                "max_bad_fraction", "verify_checksum")
+                "max_bad_fraction", "verify_checksum", "encoding", "jpeg_quality", "shard_mb")
 
 
 PYTHON_KEYS = ("factory", "kwargs", "materialize")
@@ -75,6 +75,13 @@ def fingerprint(cfg: Config) -> str:
     return h.hexdigest()[:16]
 
 
+def store(cfg: Config) -> dict[str, Any]:
+    """How images are written: raw pixels, or JPEG shards of data.shard_mb at jpeg_quality."""
+    d = cfg.data
+    return {"encoding": d.encoding, "quality": d.jpeg_quality,
+            "shard_bytes": int(d.shard_mb * 2**20)}
+
+
 def _cap(x: np.ndarray, y: np.ndarray, n: int | None, seed: int):
     """Keep at most n samples (a seeded random subset, order kept)."""
     if n is None or n >= len(x):
@@ -101,10 +108,11 @@ def _python_source(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
         labels = []
         for split, ds in sets.items():
             if ds is None:  # the factory has no test split
-                prepared.save_split(folder, split, *prepared.empty_like(folder, "train"))
+                prepared.save_split(folder, split, *prepared.empty_like(folder, "train"),
+                                    store(cfg))
                 continue
             x, y = factory.materialize(ds, split)
-            prepared.save_split(folder, split, x, y)
+            prepared.save_split(folder, split, x, y, store(cfg))
             labels.append(y)
         n = info["num_classes"] or int(max(y.max() for y in labels)) + 1
         meta["classes"] = getattr(sets["train"], "classes", None) or [str(i) for i in range(n)]
@@ -130,7 +138,7 @@ def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
         for split, n in sizes.items():
             x, y = synthetic.generate(n, d.num_classes, d.store_size, ch, cfg.seed, split,
                                       d.difficulty)
-            prepared.save_split(folder, split, x, y)
+            prepared.save_split(folder, split, x, y, store(cfg))
         meta["classes"] = [f"class{i}" for i in range(d.num_classes)]
         meta["split"] = "generated: train, val and test are independent draws"
         return True
@@ -159,7 +167,8 @@ def _archive_source(cfg: Config, path: Path, folder: Path, meta: dict[str, Any])
              "test": (*official["test"], d.test_size)}
     for i, (split, (xs, ys, cap)) in enumerate(parts.items()):
         xs, ys = _cap(xs, ys, cap, cfg.seed + i)
-        prepared.save_split(folder, split, archives.resize_all(xs, d.store_size), ys)
+        prepared.save_split(folder, split, archives.resize_all(xs, d.store_size), ys,
+                            store(cfg))
     meta["classes"] = classes
     meta["checksums"] = report
     meta["split"] = (f"val: stratified {d.val_fraction} of the official training set (seed "
@@ -209,7 +218,7 @@ def _imagefolder_source(cfg: Config, path: Path, folder: Path, meta: dict[str, A
               disable=None, mininterval=1.0) as bar:
         for split in prepared.SPLITS:
             _, bad = imagefolder.decode_into(folder, split, items[split], d.store_size,
-                                             d.grayscale, nworkers, bar)
+                                             d.grayscale, nworkers, bar, store(cfg))
             skipped += bad
     if total and len(skipped) / total > d.max_bad_fraction:
         shown = "; ".join(f"{f} ({why})" for f, why in skipped[:3])
@@ -263,7 +272,8 @@ def _build(cfg: Config, folder: Path, fp: str) -> dict[str, Any]:
                             "fingerprint": fp, "settings": settings(cfg),
                             "settings_fingerprint": settings_fingerprint(cfg),
                             "image_size": cfg.data.image_size,
-                            "store_size": cfg.data.store_size}
+                            "store_size": cfg.data.store_size,
+                            "encoding": cfg.data.encoding}
     if not _build_arrays(cfg, folder, meta):  # a user dataset, read as it is when training
         prepared.write_json_atomic(folder / "meta.json", meta)
         return meta
@@ -303,6 +313,13 @@ def describe(meta: dict[str, Any], folder: Path, did_work: bool) -> str:
         lines += [f"    {s['file']}: {s['reason']}" for s in meta["skipped"][:20]]
     for name, status in sorted(meta.get("checksums", {}).items()):
         lines.append(f"  checksum {name}: {status}")
+    if meta.get("encoding") == "jpeg":
+        n = sum(c["total"] for c in meta["counts"].values())
+        raw = n * int(np.prod(meta["image_shape"]))
+        files = sum(1 for name in meta["bytes"] if name.endswith(".jpgs"))
+        lines.append(f"  JPEG shards, quality {meta['settings']['data.jpeg_quality']}: {files} "
+                     f"shard files; raw pixels would take {raw / 1e6:.1f} MB "
+                     f"({raw / max(meta['bytes_written'], 1):.1f}x more)")
     lines.append(f"  {meta['bytes_written'] / 1e6:.1f} MB written in {meta['seconds']:.2f} s "
                  f"({meta['images_per_s']:.0f} images/s)")
     return "\n".join(lines)

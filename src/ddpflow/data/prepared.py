@@ -9,8 +9,10 @@ A prepared dataset is a folder with
     test_labels.npy   int64 [T]
     meta.json         classes, counts, mean/std, source, how the splits were drawn,
                       sha256 of each array, format version
-It is built in a sibling `.<name>.partial-*` folder and renamed into place only when
-complete; meta.json is written last; `<name>.lock` admits one writer at a time.
+With `data.encoding: jpeg` (meta.json's "encoding") each split's images are JPEG shards
+and an index instead of `<split>_images.npy` (shards.py); loaders read either through
+`open_images`. It is built in a sibling `.<name>.partial-*` folder and renamed into place
+only when complete; meta.json is written last; `<name>.lock` admits one writer at a time.
 A folder without a valid meta.json is never read as a dataset.
 """
 
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UserError
+from . import shards
 
 FORMAT_VERSION = 2  # 2: three splits (test) and store_size
 SPLITS = ("train", "val", "test")
@@ -77,7 +80,13 @@ def open_split(folder: Path, split: str, n: int, shape: tuple[int, int, int]):
     return images, labels
 
 
-def save_split(folder: Path, split: str, images: np.ndarray, labels: np.ndarray) -> None:
+def save_split(folder: Path, split: str, images: np.ndarray, labels: np.ndarray,
+               store: dict | None = None) -> None:
+    """Write one split; store = {"encoding": "jpeg", "quality", "shard_bytes"} or None (raw)."""
+    if store and store["encoding"] == "jpeg":
+        shards.write_split(folder, split, images, labels, store["quality"],
+                           store["shard_bytes"])
+        return
     out_x, out_y = open_split(folder, split, len(images), images.shape[1:])
     out_x[:] = images
     out_y[:] = labels
@@ -88,18 +97,25 @@ def save_split(folder: Path, split: str, images: np.ndarray, labels: np.ndarray)
 
 def empty_like(folder: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     """Zero images shaped like `split`'s (a split a source does not have)."""
-    x = np.load(Path(folder) / f"{split}_images.npy", mmap_mode="r")
+    path = Path(folder) / f"{split}_images.npy"
+    if not path.exists():  # JPEG shards: no image is written, the shape does not matter
+        return np.zeros((0, 1, 1, 3), np.uint8), np.zeros(0, np.int64)
+    x = np.load(path, mmap_mode="r")
     return np.zeros((0, *x.shape[1:]), np.uint8), np.zeros(0, np.int64)
 
 
-def channel_stats(images: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std on the 0..1 scale, streamed in chunks (float64 sums)."""
+def channel_stats(images, chunk: int = 4096, rows: np.ndarray | None = None
+                  ) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std on the 0..1 scale, streamed in chunks (float64 sums), over
+    all images or the given rows."""
     c = images.shape[-1]
     s = np.zeros(c)
     s2 = np.zeros(c)
     n = 0
-    for i in range(0, len(images), chunk):
-        x = images[i:i + chunk].reshape(-1, c).astype(np.float64) / 255.0
+    total = len(images) if rows is None else len(rows)
+    for i in range(0, total, chunk):
+        part = images[i:i + chunk] if rows is None else images[rows[i:i + chunk]]
+        x = part.reshape(-1, c).astype(np.float64) / 255.0
         s += x.sum(0)
         s2 += (x * x).sum(0)
         n += len(x)
@@ -125,14 +141,20 @@ def finish(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
         counts[split] = {"total": int(len(y)), "per_class": per_class}
     if counts["train"]["total"] == 0:
         raise UserError("the prepared training split is empty: no images were found")
-    x = np.load(folder / "train_images.npy", mmap_mode="r")
-    meta["mean"], meta["std"] = channel_stats(x)
+    meta.setdefault("encoding", "raw")
+    files = sorted(p.name for p in Path(folder).iterdir()
+                   if p.is_file() and not p.name.startswith("meta.json"))
+    meta["bytes"] = {f: (folder / f).stat().st_size for f in files}
+    x = open_images(folder, "train", meta)
+    if meta["encoding"] == "jpeg":  # statistics of an even sample: decoding all costs minutes
+        step = max(1, len(x) // shards.STATS_SAMPLE)
+        meta["mean"], meta["std"] = channel_stats(x, 1024, np.arange(0, len(x), step))
+    else:
+        meta["mean"], meta["std"] = channel_stats(x)
     meta["image_shape"] = list(x.shape[1:])
     meta["counts"] = counts
     meta["format_version"] = FORMAT_VERSION
-    files = [f"{s}_{k}.npy" for s in SPLITS for k in ("images", "labels")]
     meta["sha256"] = {f: sha256_file(folder / f) for f in files}
-    meta["bytes"] = {f: (folder / f).stat().st_size for f in files}
     write_json_atomic(folder / "meta.json", meta)
     return meta
 
@@ -172,9 +194,21 @@ def read_meta(folder: Path) -> dict[str, Any] | None:
         return None
     for name, size in sizes.items():
         p = Path(folder) / str(name)
+        if str(name).endswith(shards.SUFFIX):
+            continue  # a short shard costs its samples, counted when read (shards.py)
         if not p.is_file() or p.stat().st_size != size:
             return None
     return meta
+
+
+def open_images(folder: Path, split: str, meta: dict[str, Any]):
+    """A split's images as an array of uint8 [N, S, S, C]: memory-mapped raw pixels, or JPEG
+    shards decoded when indexed (shards.JpegImages)."""
+    folder = Path(folder)
+    if meta.get("encoding") == "jpeg":
+        size = meta["store_size"]
+        return shards.JpegImages(folder, split, (size, size, 3), meta["bytes"])
+    return np.load(folder / f"{split}_images.npy", mmap_mode="r")
 
 
 def verify(folder: Path, meta: dict[str, Any]) -> None:
@@ -192,7 +226,7 @@ def load(folder: Path) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.n
     if meta is None:
         raise UserError(f"no prepared dataset at {folder} (missing or incomplete meta.json); "
                         f"run `ddpflow prepare --config ...` first")
-    arrays = {s: (np.load(folder / f"{s}_images.npy", mmap_mode="r"),
+    arrays = {s: (open_images(folder, s, meta),
                   np.load(folder / f"{s}_labels.npy", mmap_mode="r")) for s in SPLITS}
     return meta, arrays
 
