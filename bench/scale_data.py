@@ -54,24 +54,29 @@ def photos() -> list[Path]:
     return [PHOTOS / n for n in want]
 
 
+_DECODED: dict = {}  # each worker decodes a photograph once
+
+
 def _source_image(args):
     i, path, out, short = args
     from PIL import Image
 
     rng = np.random.default_rng(i)
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        w, h = im.size
-        area = rng.uniform(0.05, 0.5) * w * h
-        ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
-        bw = int(min(w, np.sqrt(area * ratio)))
-        bh = int(min(h, np.sqrt(area / ratio)))
-        x0, y0 = rng.integers(0, w - bw + 1), rng.integers(0, h - bh + 1)
-        box = im.crop((x0, y0, x0 + bw, y0 + bh))
-        s = short / min(bw, bh)
-        box = box.resize((max(short, round(bw * s)), max(short, round(bh * s))),
-                         Image.BILINEAR)
-        box.save(out, format="JPEG", quality=90)
+    if path not in _DECODED:
+        with Image.open(path) as im:
+            _DECODED[path] = im.convert("RGB")
+    im = _DECODED[path]
+    w, h = im.size
+    area = rng.uniform(0.05, 0.5) * w * h
+    ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+    bw = int(min(w, np.sqrt(area * ratio)))
+    bh = int(min(h, np.sqrt(area / ratio)))
+    x0, y0 = rng.integers(0, w - bw + 1), rng.integers(0, h - bh + 1)
+    box = im.crop((x0, y0, x0 + bw, y0 + bh))
+    s = short / min(bw, bh)
+    box = box.resize((max(short, round(bw * s)), max(short, round(bh * s))),
+                     Image.BILINEAR)
+    box.save(out, format="JPEG", quality=90)
 
 
 def make_folder(root: Path, n: int, short: int, srcs: list[Path]) -> Path:

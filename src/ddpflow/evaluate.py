@@ -108,14 +108,20 @@ def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: 
         skipped = [(files[mine[i]], why) for i, why in bad.items()]
         idx = np.array([mine[i] for i in kept], dtype=np.int64)
         y = labels[idx]
+
+        def rows(a, b):
+            return x[a:b]
     else:
         x_all, y_all = arrays[split]
         idx = np.arange(d.rank, len(y_all), d.world)
-        x, y, skipped = x_all[idx], y_all[idx], []
+        y, skipped = y_all[idx], []
+
+        def rows(a, b):  # read (JPEG shards: decode) one batch at a time
+            return x_all[idx[a:b]]
     logits = []
     with torch.no_grad():  # fp32: the figures predict and export compare against
         for i in range(0, len(idx), BATCH):
-            logits.append(model(pre(torch.from_numpy(np.array(x[i:i + BATCH]))))
+            logits.append(model(pre(torch.from_numpy(np.array(rows(i, i + BATCH)))))
                           .float().cpu())
     mine = (idx, torch.cat(logits) if logits else torch.zeros(0, meta["num_classes"]),
             torch.as_tensor(np.asarray(y), dtype=torch.long), skipped)
