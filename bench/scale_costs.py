@@ -99,11 +99,12 @@ def _rollup() -> dict[str, int]:
 
 def memory_worker(data_dir: str, kind: str) -> None:
     from ddpflow.data import prepared
-    from ddpflow.data.loaders import Normalize, TrainBatches
     from ddpflow.config import Augment
+    from ddpflow.data.loaders import Normalize, TrainBatches, read_rows
 
     torch.set_num_threads(1)
     meta, arrays = prepared.load(Path(data_dir))
+    read_rows(*arrays["train"], [0])  # imports (torchvision's decoder) before the baseline
     before = _rollup()
     norm = Normalize(meta["mean"], meta["std"], torch.device("cpu"), 3, False)
     tb = TrainBatches(kind, *arrays["train"], 128, torch.device("cpu"), 2, 0, 0,
