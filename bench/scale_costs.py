@@ -32,7 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 
@@ -98,8 +97,8 @@ def _rollup() -> dict[str, int]:
 
 
 def memory_worker(data_dir: str, kind: str) -> None:
-    from ddpflow.data import prepared
     from ddpflow.config import Augment
+    from ddpflow.data import prepared
     from ddpflow.data.loaders import Normalize, TrainBatches, read_rows
 
     torch.set_num_threads(1)

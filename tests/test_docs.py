@@ -1,11 +1,13 @@
 """The docs' promises are checkable: every test and script they name exists, and every
-figure in docs/BENCHMARKS.md appears in the output that the named command printed at the
-named commit (kept verbatim beside the table)."""
+figure in docs/BENCHMARKS.md and docs/SCALE.md appears in the output that the named command
+printed at the named commit (kept verbatim beside the table)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+
+import pytest
 
 from conftest import REPO
 
@@ -32,8 +34,9 @@ def sections(text: str) -> list[str]:
     return re.split(r"^## ", text, flags=re.M)[1:]
 
 
-def test_every_benchmark_figure_was_printed_at_the_named_commit():
-    text = (REPO / "docs/BENCHMARKS.md").read_text()
+@pytest.mark.parametrize("doc", ["BENCHMARKS.md", "SCALE.md"])
+def test_every_benchmark_figure_was_printed_at_the_named_commit(doc):
+    text = (REPO / "docs" / doc).read_text()
     checked = 0
     for sec in sections(text):
         rows = [line for line in sec.splitlines() if line.startswith("|")
