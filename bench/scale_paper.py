@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--bytes-raw", type=float, default=199700, help="per image, 224 px")
     ap.add_argument("--decode-per-core", type=float, default=2405,
                     help="images/s, one core, 258 px shards")
-    ap.add_argument("--ckpt-mb-s", type=float, default=230, help="checkpoint write MB/s")
+    ap.add_argument("--ckpt-mb-s", type=float, default=217, help="checkpoint write MB/s")
     ap.add_argument("--pipeline-eff", type=float, default=0.975,
                     help="ddpflow step with its device augmentation / compute only "
                          "(bench/augment.py)")

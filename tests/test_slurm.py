@@ -1,5 +1,6 @@
 """A real Slurm cluster (tests/setup/slurm.sh): the workflow through the Slurm executor,
-fake GPUs requested and seen, SIGUSR1 from scancel mid-training, and a missing account."""
+fake GPUs requested and seen, SIGUSR1 from scancel mid-training, a missing account, and one
+job across two hosts (network namespaces with their own slurmd) that survives a killed node."""
 
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ FAST_POLL = ["--slurm-init-seconds-before-status-checks", "1",
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-    assert state.returncode == 0 and state.stdout.strip() in ("idle", "mixed", "allocated"), (
-        "no Slurm cluster: run `bash tests/setup/slurm.sh` (make test does)")
+    state = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
+                           text=True)
+    nodes = dict(line.split() for line in state.stdout.splitlines())
+    assert state.returncode == 0 and len(nodes) == 3 and all(
+        s in ("idle", "mixed", "allocated") for s in nodes.values()), (
+        f"no Slurm cluster of three nodes ({nodes}): run `bash tests/setup/slurm.sh` "
+        f"(make test does)")
 
 
 def slurm_snakemake(workdir: Path, *args, background=False):
@@ -156,3 +161,73 @@ def test_sweep_on_slurm_one_job_and_one_gpu_per_trial(tmp_path):
     assert all(len(g.split(",")) == 1 for g in seen), seen
     # the two jobs ran side by side on the node's two GPUs: one each
     assert sorted(seen) == ["0", "1"], seen
+
+
+def _pair_ranks(node: str) -> list[int]:
+    """PIDs of the training ranks running on a namespaced host."""
+    pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True,
+                          text=True).stdout.split()
+    found = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ddpflow" in cmd and b"train" in cmd and b"--resolved" in cmd:
+            found.append(int(pid))
+    return found
+
+
+def test_two_nodes_one_job_and_a_killed_node(tmp_path):
+    """hardware.nodes 2 x 2 ranks through profiles/slurm on partition pair: one srun starts a
+    torchrun on each host, they meet at the c10d rendezvous on the first host and train as
+    4 gloo ranks with identical weights. Then the same job with node ddpn2's ranks killed
+    mid-run: the attempt fails within hardware.timeout_s, Snakemake's retry resumes from
+    the newest checkpoint and ends with the uninterrupted run's weights."""
+    stage = {"name": "a", "max_steps": 60, "batch_size": 16, "lr": 0.05}
+    cfg = {**TINY, "deterministic": True, "log_every_steps": 5,
+           "data": {"train_size": 2048, "val_size": 128, "test_size": 128, "image_size": 16},
+           "hardware": {"nodes": 2, "nproc_per_node": 2, "threads_per_rank": 1,
+                        "device": "cpu", "max_restarts": 0, "timeout_s": 60},
+           "checkpoint": {"every_steps": 10, "keep_last": 3}, "stages": [stage],
+           "slurm": {"partition": "pair", "cpus": 2, "mem_mb": 1000, "runtime_min": 10}}
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for wd in (straight, killed):
+        wd.mkdir()
+        write(wd, cfg)
+    proc = slurm_snakemake(straight)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    s = json.loads((straight / "results/wf/stages/a/summary.json").read_text())
+    assert s["world_size"] == 4 and s["weights_in_sync"] is True
+    assert sorted(s["rank_hosts"]) == ["ddpn1", "ddpn1", "ddpn2", "ddpn2"], s["rank_hosts"]
+    assert len(set(s["rank_weight_sha256"])) == 1
+    (state, tres), = sacct(s["environment"]["slurm_job_id"])
+    assert state == "COMPLETED" and "node=2" in tres, tres
+
+    proc = slurm_snakemake(killed, background=True)
+    ckdir = killed / "results/wf/stages/a/checkpoints"
+    victims, t0 = [], time.time()
+    while time.time() - t0 < 300 and not victims:
+        if ckdir.is_dir() and list(ckdir.glob("ckpt-*.pt")):
+            victims = _pair_ranks("ddpn2")
+        time.sleep(0.2)
+    assert victims, "the two-node job never got going"
+    for pid in victims:
+        os.kill(pid, 9)
+    killed_at = time.time()
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    # the attempt the kill hit failed fast (not after a collective timeout of its own)
+    failed = [line for line in out.splitlines() if "Error in rule train" in line]
+    assert failed, out[-3000:]
+    logs = sorted((killed / "logs/wf").glob("train_a*.log"))
+    log = "\n".join(p.read_text() for p in logs)
+    assert "resumed from ckpt-" in log, log[-3000:]
+    s2 = json.loads((killed / "results/wf/stages/a/summary.json").read_text())
+    assert s2["weights_in_sync"] and s2["world_size"] == 4
+    ended = (killed / "results/wf/stages/a/summary.json").stat().st_mtime
+    assert ended - killed_at < 300
+    a = torch.load(straight / "results/wf/stages/a/final.pt", weights_only=True)["model"]
+    b = torch.load(killed / "results/wf/stages/a/final.pt", weights_only=True)["model"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

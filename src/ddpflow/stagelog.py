@@ -85,7 +85,8 @@ def stage_summary(t) -> dict:
         "trainable_params": sum(p.numel() for p in unwrap(t.model).parameters()
                                 if p.requires_grad),
         "metrics_problems": problems,
-        "rank_weight_sha256": t.weight_hashes, "environment": environment(d.device),
+        "rank_weight_sha256": t.weight_hashes, "rank_hosts": t.rank_hosts,
+        "environment": environment(d.device),
         "weights_in_sync": len(set(t.weight_hashes)) == 1,
         "config": cfg.to_dict(), "config_hash": cfg.hash,
         "stage_hash": cfg.stage_hash(t.st.name), "record": t.record,

@@ -13,6 +13,7 @@ through seams: the model builder (models.py), the data (data/pipeline.py) and th
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from contextlib import nullcontext
@@ -414,9 +415,12 @@ class Trainer:
         if self.data.test and not (self.diverged or self.halted):
             self.test_metrics = test_metrics(self)  # all ranks: sync points
             self.say("test: " + ", ".join(f"{k} {v:.4f}" for k, v in self.test_metrics.items()))
-        # every rank's weights, hashed and gathered: DDP must have kept them identical
-        self.weight_hashes = distributed.gather_objects(self.d, runtime.weights_sha256(
-            unwrap(self.model)))
+        # every rank's weights, hashed and gathered (with its host): DDP must have kept
+        # them identical, on one node or several
+        pairs = distributed.gather_objects(self.d, (runtime.weights_sha256(
+            unwrap(self.model)), socket.gethostname()))
+        self.weight_hashes = [h for h, _ in pairs]
+        self.rank_hosts = [host for _, host in pairs]
         if self.d.is_master:
             write_results(self)  # failed.json, or final.pt and summary.json; trackers closed
 

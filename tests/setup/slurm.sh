@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster for the tests: munge, MariaDB + slurmdbd (sacct, which the
-# Snakemake Slurm executor polls), slurmctld and slurmd, with two fake GPUs declared by gres.
+# A real Slurm cluster for the tests: munge, MariaDB + slurmdbd (sacct, which the Snakemake
+# Slurm executor polls), slurmctld, and three compute nodes:
+#   $(hostname -s)   this machine, two fake GPUs declared by gres (partition debug, default)
+#   ddpn1, ddpn2     two more hosts, each a network namespace with its own address on a
+#                    private bridge (10.77.0.0/24), its own hostname and its own slurmd
+#                    (partition pair): multi-node jobs meet across a real network hop
 #   bash tests/setup/slurm.sh          (idempotent; root)
 # The fake GPUs are character devices (/dev/null's numbers) so that Slurm schedules them and
 # hands each job its own CUDA_VISIBLE_DEVICES; without CUDA the jobs train on the CPU.
 set -euo pipefail
 state=${DDPFLOW_SLURM_STATE:-/var/tmp/ddpflow-slurm}
 host=$(hostname -s)
+net=10.77.0
+pair=(ddpn1 ddpn2)
 mkdir -p "$state"
 
 if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmdbd >/dev/null 2>&1 \
@@ -16,11 +22,31 @@ if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmdbd >/dev/null 2>
   apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server >/dev/null
 fi
 
-if sinfo -h -o %T 2>/dev/null | grep -qE 'idle|mix|alloc' \
+if [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cE '^(idle|mix|alloc)')" = 3 ] \
    && sacctmgr -n show user root 2>/dev/null | grep -q root; then
   echo "slurm: cluster already up"
   exit 0
 fi
+
+# --- the two namespaced hosts: a bridge on this machine, a veth pair and an address each
+if ! ip link show ddpfbr0 >/dev/null 2>&1; then
+  ip link add ddpfbr0 type bridge
+  ip addr add "$net.1/24" dev ddpfbr0
+fi
+ip link set ddpfbr0 up
+for i in 1 2; do
+  ns=${pair[$((i - 1))]}
+  if ! ip netns list | grep -qw "$ns"; then
+    ip netns add "$ns"
+    ip link add "ddpfv$i" type veth peer name eth0 netns "$ns"
+    ip link set "ddpfv$i" master ddpfbr0 up
+    ip -n "$ns" addr add "$net.1$i/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" route add default via "$net.1"
+  fi
+  grep -qE "^$net.1$i[[:space:]]" /etc/hosts || echo "$net.1$i $ns" >>/etc/hosts
+done
 
 # --- munge
 if [ ! -s /etc/munge/munge.key ]; then
@@ -57,10 +83,11 @@ done
 
 # --- configuration (must be /etc/slurm: the executor's job step drops SLURM_CONF)
 mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
-mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
+mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/slurmd
 cat >/etc/slurm/slurm.conf <<CONF
 ClusterName=ddpflow
-SlurmctldHost=$host
+SlurmctldHost=$host($net.1)
+SlurmdPidFile=/run/slurmd/slurmd.pid
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -83,7 +110,10 @@ AccountingStorageTRES=gres/gpu
 JobRequeue=1
 KillWait=30
 NodeName=$host CPUs=$(nproc) RealMemory=$mem Gres=gpu:2 State=UNKNOWN
+NodeName=${pair[0]} NodeAddr=$net.11 CPUs=$(nproc) RealMemory=$((mem / 4)) State=UNKNOWN
+NodeName=${pair[1]} NodeAddr=$net.12 CPUs=$(nproc) RealMemory=$((mem / 4)) State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+PartitionName=pair Nodes=${pair[0]},${pair[1]} MaxTime=INFINITE State=UP
 CONF
 cat >/etc/slurm/gres.conf <<CONF
 AutoDetect=off
@@ -110,15 +140,27 @@ fi
 sacctmgr -i add cluster ddpflow >/dev/null 2>&1 || true
 sacctmgr -i add account ddpflow Description=tests Organization=ddpflow >/dev/null 2>&1 || true
 sacctmgr -i add user root Account=ddpflow >/dev/null 2>&1 || true
+running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 pgrep -x slurmctld >/dev/null || slurmctld
-pgrep -x slurmd >/dev/null || slurmd
-for _ in $(seq 1 60); do
-  sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mix|alloc)' && break; sleep 0.5
+running /run/slurmd/slurmd.pid || slurmd
+# each namespaced host's slurmd: its network namespace, its own hostname (UTS namespace) and
+# its own spool, pid and log folders (bind-mounted in a mount namespace of its own)
+for ns in "${pair[@]}"; do
+  d=$state/$ns
+  mkdir -p "$d/spool" "$d/run" "$d/log"
+  running "$d/run/slurmd.pid" && continue
+  ip netns exec "$ns" unshare --uts --mount sh -c "hostname $ns \
+    && mount --bind $d/spool /var/spool/slurmd && mount --bind $d/run /run/slurmd \
+    && mount --bind $d/log /var/log/slurm && exec slurmd"
 done
-if ! sinfo -h -o %T | grep -qE '^(idle|mix|alloc)'; then
-  scontrol update NodeName="$host" State=RESUME >/dev/null 2>&1 || true
+up() { [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cE '^(idle|mix|alloc)')" = 3 ]; }
+for _ in $(seq 1 60); do
+  up && break; sleep 0.5
+done
+if ! up; then
+  scontrol update NodeName="$host,${pair[0]},${pair[1]}" State=RESUME >/dev/null 2>&1 || true
   sleep 2
 fi
-sinfo
-sinfo -h -o %T | grep -qE '^(idle|mix|alloc)' || { tail -20 /var/log/slurm/slurmctld.log; exit 1; }
-echo "slurm: cluster up (node $host, 2 fake GPUs)"
+sinfo -N
+up || { tail -20 /var/log/slurm/slurmctld.log; tail -5 "$state"/ddpn*/log/slurmd.log; exit 1; }
+echo "slurm: cluster up (node $host with 2 fake GPUs; nodes ${pair[*]} on $net.0/24)"
