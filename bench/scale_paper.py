@@ -56,7 +56,8 @@ def main() -> None:
         epoch = IMAGES / (gpus * eff)
         step_ms = a.batch / eff * 1e3
         cores = eff / a.decode_per_core
-        print(f"at {rate:.0f} images/s per GPU: epoch {epoch:.1f} s, step {step_ms:.0f} ms; "
+        print(f"at {rate:.0f} images/s per GPU: epoch {epoch:.1f} s, step {step_ms:.0f} ms "
+              f"(batch {a.batch} per GPU); "
               f"decode {cores:.2f} cores per GPU ({cores * a.gpus:.0f} of {a.cores} per node);"
               f" first-epoch read jpeg {IMAGES * a.bytes_jpeg / epoch / 1e9:.1f} GB/s, raw "
               f"{IMAGES * a.bytes_raw / epoch / 1e9:.1f} GB/s (all nodes); all-reduce "
