@@ -136,18 +136,49 @@ def broadcast_object(d: Dist, obj):
     return box[0]
 
 
-def wrap_ddp(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
+def wrap_ddp(model: torch.nn.Module, d: Dist, deterministic: bool = False
+             ) -> torch.nn.Module:
     """DistributedDataParallel when more than one rank trains (one rank has nothing to
     all-reduce, so it pays no DDP overhead); gradients live in DDP's buckets (no copy per
-    step)."""
+    step). deterministic with more than two ranks: the gradients are summed in rank order
+    (ordered_mean_hook), so a resumed run repeats an uninterrupted one bit for bit."""
     if not d.backend or d.world == 1:
         return model
-    return torch.nn.parallel.DistributedDataParallel(
+    ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
         gradient_as_bucket_view=True)
+    if deterministic and d.world > 2:
+        ddp.register_comm_hook(None, ordered_mean_hook)
+    return ddp
 
 
-def wrap(model: torch.nn.Module, d: Dist, strategy: str, sync_bn: bool) -> torch.nn.Module:
+def ordered_mean_hook(_state, bucket):
+    """A DDP communication hook whose result does not depend on the bucket layout.
+
+    A ring all-reduce sums each element in an order set by where the element falls in its
+    bucket, and DDP lays out its buckets anew in the first step of every process (one bucket
+    first, then the order the gradients became ready): so the first step after a resume sums
+    some elements in another order than the uninterrupted run did at that step. Two ranks'
+    sum is the same in either order; from three on it is not. Here every rank gathers all
+    ranks' buckets and sums them in rank order: world x the traffic, for deterministic mode.
+    """
+    world = dist.get_world_size()
+    grads = bucket.buffer()
+    parts = [torch.empty_like(grads) for _ in range(world)]
+    fut = dist.all_gather(parts, grads, async_op=True).get_future()
+
+    def mean(f):
+        got = f.value()
+        gathered = got[0] if isinstance(got[0], list) else got
+        out = gathered[0].clone()
+        for part in gathered[1:]:  # rank order, element by element
+            out.add_(part)
+        return grads.copy_(out.div_(world))
+    return fut.then(mean)
+
+
+def wrap(model: torch.nn.Module, d: Dist, strategy: str, sync_bn: bool,
+         deterministic: bool = False) -> torch.nn.Module:
     """The training wrapper: DDP (when more than one rank trains), optionally with
     SyncBatchNorm; strategy dp = single-process DataParallel, a baseline only (without
     GPUs it calls the module as it is)."""
@@ -155,4 +186,4 @@ def wrap(model: torch.nn.Module, d: Dist, strategy: str, sync_bn: bool) -> torch
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if strategy == "dp":
         return torch.nn.DataParallel(model)
-    return wrap_ddp(model, d)
+    return wrap_ddp(model, d, deterministic)

@@ -255,7 +255,8 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
 
 def slurm_hosts() -> list[str]:
     """Host names of the current Slurm allocation, first = rendezvous host."""
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    nodelist = (os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+                or _job_nodelist(os.environ.get("SLURM_JOB_ID")))
     if not nodelist:
         raise UserError("hardware.nodes > 1 runs inside a Slurm allocation of that many "
                         "nodes (no SLURM_JOB_NODELIST here); use --profile profiles/slurm "
@@ -267,6 +268,22 @@ def slurm_hosts() -> list[str]:
         raise UserError(f"cannot expand the Slurm node list '{nodelist}' with scontrol ({e})"
                         ) from None
     return out.split()
+
+
+def _job_nodelist(job: str | None) -> str | None:
+    """The node list of a job, asked of Slurm: Snakemake's Slurm job step keeps only
+    SLURM_JOB_ID of the allocation's variables in the environment it runs a rule in."""
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for field in out.split():
+        if field.startswith("NodeList=") and field != "NodeList=(null)":
+            return field.split("=", 1)[1]
+    return None
 
 
 def _read_json(path: Path) -> dict | None:

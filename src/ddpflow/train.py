@@ -142,7 +142,8 @@ class Trainer:
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
         # DDP across ranks (DataParallel for strategy dp, a baseline only)
-        self.model = model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn)
+        self.model = model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn,
+                                              cfg.deterministic)
         self.train_model = torch.compile(model) if self.compile else model
         self.ema = open_ema(st, unwrap(model))  # None unless stages[].ema.decay is set
 

@@ -149,7 +149,8 @@ for ns in "${pair[@]}"; do
   d=$state/$ns
   mkdir -p "$d/spool" "$d/run" "$d/log"
   running "$d/run/slurmd.pid" && continue
-  ip netns exec "$ns" unshare --uts --mount sh -c "hostname $ns \
+  # nsenter, not `ip netns exec`: that remounts /sys, and slurmd needs /sys/fs/cgroup
+  nsenter --net="/run/netns/$ns" unshare --uts --mount sh -c "hostname $ns \
     && mount --bind $d/spool /var/spool/slurmd && mount --bind $d/run /run/slurmd \
     && mount --bind $d/log /var/log/slurm && exec slurmd"
 done
