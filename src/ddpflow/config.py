@@ -314,9 +314,21 @@ def code_fingerprint(subdir: str = "") -> str:
 
 
 # --------------------------------------------------------------------------- validation
+_SCHEMA_CACHE: dict[str, Any] = {}
+
+
 def _schema() -> dict[str, Any]:
-    with open(SCHEMA_PATH) as f:
-        return yaml.safe_load(f)
+    """The config schema, parsed once per process and file version (a sweep validates every
+    trial's config: parsing the YAML each time cost about 0.1 s per trial). A copy: callers
+    may not change the cached one."""
+    stamp = SCHEMA_PATH.stat().st_mtime_ns
+    if _SCHEMA_CACHE.get("stamp") != stamp:
+        with open(SCHEMA_PATH) as f:
+            _SCHEMA_CACHE.update(stamp=stamp, schema=yaml.load(f, Loader=_LOADER))
+    return copy.deepcopy(_SCHEMA_CACHE["schema"])
+
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML has it
 
 
 def _with_defaults(validator_class):

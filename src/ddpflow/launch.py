@@ -333,7 +333,8 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
         n, device, _ = ranks
         cmd, env = plan(cfg, stage, out / "config.json", list(extra_args), ranks=ranks)
         shown = " ".join(f"{k}={v}" for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES")
-        print(f"ddpflow: stage '{stage}': {n} rank(s) on {device}", file=sys.stderr)
+        per = f"{cfg.hardware.nodes} node(s) x " if cfg.hardware.nodes > 1 else ""
+        print(f"ddpflow: stage '{stage}': {per}{n} rank(s) on {device}", file=sys.stderr)
         print(f"ddpflow: {shown + ' ' if shown else ''}{' '.join(cmd)}", file=sys.stderr)
     if dry_run:
         return 0

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import SCHEMA_PATH, Config, from_dict, set_key
+from .config import Config, from_dict, set_key
 from .errors import UserError
 
 # keys a trial may not change: where results live, the sweep itself, and what all trials
@@ -121,9 +121,9 @@ def expand(d: dict) -> list[Trial]:
 
 # --------------------------------------------------------------------------- checking
 def _schema() -> dict:
-    import yaml
+    from .config import _schema as cached
 
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    return cached()
 
 
 def check_key(key: str, where: str, schema: dict | None = None) -> None:
