@@ -150,13 +150,10 @@ class _Memmap(Dataset):
                 torch.as_tensor(idx), bad)
 
     def _encoded(self, idx):
-        bufs, kept, bad = [], [], []
-        for i in sorted(idx, key=lambda i: tuple(self.images.index[i][:2])):  # file order
-            try:
-                bufs.append(np.array(self.images.encoded(i)))
-                kept.append(i)
-            except ValueError as e:
-                bad.append((i, f"{self.images.where(i)}: {e}"))
+        idx = [int(i) for i in idx]
+        found, bad = self.images.read(idx)  # in file order; damaged entries reported
+        kept = [idx[p] for p in sorted(found)]
+        bufs = [np.array(found[p]) for p in sorted(found)]
         return (bufs, torch.from_numpy(self.labels[kept]).long(), torch.as_tensor(kept), bad)
 
 
@@ -164,8 +161,7 @@ def _decode_on_device(batch, images: JpegImages, device):
     """Workers' encoded batch -> (uint8 NHWC on device, labels, idx, bad) via nvJPEG."""
     bufs, y, idx, bad = batch
     x, kept, failed = decode_cuda(bufs, device)
-    bad = bad + [(int(idx[i]), f"{images.where(int(idx[i]))}: {why}")
-                 for i, why in zip(sorted(set(range(len(bufs))) - set(kept)), failed)]
+    bad = bad + [(int(idx[p]), f"{images.where(int(idx[p]))}: {why}") for p, why in failed]
     if x is None:
         x = torch.zeros((0, *images.shape[1:]), dtype=torch.uint8, device=device)
     return x, y[kept], idx[kept], bad

@@ -173,10 +173,9 @@ class JpegImages:
             raise ValueError("bytes do not match their CRC-32 (damaged on disk)")
         return data
 
-    def fetch(self, idx) -> tuple[np.ndarray, list[int], list[tuple[int, str]]]:
-        """Decode idx, read in ascending file order: (images of the readable ones in idx's
-        order, their positions in idx, [(index, reason)] of the others)."""
-        idx = [int(i) for i in np.asarray(idx).reshape(-1)]
+    def read(self, idx: list[int]) -> tuple[dict[int, np.ndarray], list[tuple[int, str]]]:
+        """The stored bytes of idx, read in ascending file order: ({position in idx: bytes},
+        [(index, reason)] of the entries that fail their bounds or CRC check)."""
         bufs: dict[int, np.ndarray] = {}
         bad: list[tuple[int, str]] = []
         for pos in sorted(range(len(idx)), key=lambda p: tuple(self.index[idx[p]][:2])):
@@ -184,6 +183,13 @@ class JpegImages:
                 bufs[pos] = self.encoded(idx[pos])
             except ValueError as e:
                 bad.append((idx[pos], f"{self.where(idx[pos])}: {e}"))
+        return bufs, bad
+
+    def fetch(self, idx) -> tuple[np.ndarray, list[int], list[tuple[int, str]]]:
+        """Decode idx, read in ascending file order: (images of the readable ones in idx's
+        order, their positions in idx, [(index, reason)] of the others)."""
+        idx = [int(i) for i in np.asarray(idx).reshape(-1)]
+        bufs, bad = self.read(idx)
         kept = sorted(bufs)
         try:
             decoded = dict(zip(kept, decode_many([bufs[p] for p in kept])))
@@ -218,10 +224,11 @@ class JpegImages:
         return out if dtype is None else out.astype(dtype)
 
 
-def decode_cuda(buffers: list[np.ndarray], device) -> "tuple[object, list[int], list[str]]":
+def decode_cuda(buffers: list[np.ndarray], device
+                ) -> "tuple[object, list[int], list[tuple[int, str]]]":
     """A batch of encoded images decoded on the GPU in one call (nvJPEG through torchvision):
-    (uint8 NHWC tensor on device, positions kept, reasons of the others). One bad image
-    makes the batched call fail; then each is decoded alone to find it."""
+    (uint8 NHWC tensor on device, positions kept, [(position, reason)] of the others). One
+    bad image makes the batched call fail; then each is decoded alone to find it."""
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -236,7 +243,7 @@ def decode_cuda(buffers: list[np.ndarray], device) -> "tuple[object, list[int], 
                 chw.append(decode_jpeg(d, mode=ImageReadMode.RGB, device=device))
                 kept.append(i)
             except RuntimeError as e:
-                bad.append(f"{type(e).__name__}: {e}")
+                bad.append((i, f"{type(e).__name__}: {e}"))
     if not chw:
         return None, kept, bad
     return torch.stack(chw).permute(0, 2, 3, 1).contiguous(), kept, bad
