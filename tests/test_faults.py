@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -275,6 +276,8 @@ def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypa
                        "--kill-on-bad-exit=1"]
     assert "--nnodes=2" in cmd and "--rdzv-backend=c10d" in cmd and "--rdzv-id=4242" in cmd
     assert any(a.startswith("--rdzv-endpoint=localhost:") for a in cmd)
+    assert "--rdzv-conf=join_timeout=600" in cmd  # hardware.timeout_s: a node's time to join
+    assert cmd[6:8] == ["-m", "ddpflow.rollcall"]  # each node answers a roll call first
     resolved.parent.mkdir(parents=True)
     write_json_atomic(resolved, cfg.to_dict())
     per_node = cmd[cmd.index(sys.executable):]
@@ -283,5 +286,6 @@ def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypa
               for _ in range(2)]
     outs = [a.communicate(timeout=300)[0] for a in agents]
     assert all(a.returncode == 0 for a in agents), outs
+    assert (resolved.parent / "nodes" / socket.gethostname()).is_file()  # the roll call
     s = json.loads((tmp_path / "results/t/stages/s1/summary.json").read_text())
     assert s["world_size"] == 2 and s["weights_in_sync"] and s["steps"] == 10

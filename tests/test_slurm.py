@@ -36,7 +36,8 @@ def cluster():
 
 def slurm_snakemake(workdir: Path, *args, background=False):
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
-    cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-d", str(workdir),
+    cmd = [sys.executable, str(REPO / "tests/snakemake_every_second.py"),
+           "-s", str(REPO / "Snakefile"), "-d", str(workdir),
            "--configfile", str(workdir / "tiny.yaml"), "--profile",
            str(REPO / "profiles/slurm"), *FAST_POLL, *args]
     if background:
@@ -238,3 +239,41 @@ def test_two_nodes_one_job_and_a_killed_node(tmp_path):
     b = torch.load(wd / "results/wf/stages/a/final.pt", weights_only=True)["model"]
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_a_node_that_cannot_reach_the_rendezvous_is_named(tmp_path):
+    """Node ddpn2 cannot reach the rendezvous port on ddpn1 (a firewall rule in its network
+    namespace drops it): the job fails within hardware.timeout_s, naming 1 of 2 nodes and
+    the node, and leaves no summary or checkpoint that looks complete."""
+    port = 29431
+    cfg = {**TINY, "data": {"train_size": 64, "val_size": 16, "test_size": 16,
+                            "image_size": 16},
+           "hardware": {"nodes": 2, "nproc_per_node": 1, "threads_per_rank": 1,
+                        "device": "cpu", "max_restarts": 0, "timeout_s": 15,
+                        "rdzv_port": port},
+           "stages": [{"name": "a", "max_steps": 4, "batch_size": 8, "lr": 0.05}]}
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))
+    ddpflow("prepare", "--config", tmp_path / "c.yaml", check=True, cwd=tmp_path)
+    rule = ["OUTPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"]
+    firewall = ["nsenter", "--net=/run/netns/ddpn2", "iptables"]
+    subprocess.run([*firewall, "-A", *rule], check=True)
+    try:
+        started = time.time()
+        sub = subprocess.run(
+            ["sbatch", "--wait", "-p", "pair", "--nodes=2", "-c", "1", "--mem=500",
+             "-o", str(tmp_path / "job.log"), "--chdir", str(tmp_path),
+             f"--export=ALL,PATH={BIN}:{os.environ['PATH']}",
+             "--wrap", f"{BIN / 'ddpflow'} launch --config c.yaml --stage a"],
+            capture_output=True, text=True, timeout=300)
+        took = time.time() - started
+    finally:
+        subprocess.run([*firewall, "-D", *rule], check=True)
+    log = (tmp_path / "job.log").read_text()
+    assert sub.returncode != 0, log[-3000:]
+    assert "1 of 2 node(s) never joined the rendezvous on ddpn1" in log, log[-3000:]
+    assert "within hardware.timeout_s (15 s): ddpn2" in log, log[-3000:]
+    assert "node ddpn2 could not reach the rendezvous at ddpn1:29431" in log, log[-3000:]
+    assert "Traceback" not in log.split("could not reach")[-1], log[-3000:]
+    assert took < 15 + 60, took  # the timeout plus Slurm's and torchrun's start and teardown
+    stage = tmp_path / "results/wf/stages/a"
+    assert not (stage / "summary.json").exists() and not (stage / "final.pt").exists()

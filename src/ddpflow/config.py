@@ -105,7 +105,8 @@ class HardwareCfg:
     threads_per_rank: int | str  # CPU threads per rank ("auto" = cores / ranks)
     nodes: int
     max_restarts: int  # torchrun restarts of the whole group after a rank dies
-    timeout_s: int  # seconds a collective may hang before the job fails
+    timeout_s: int  # seconds a collective may hang, or a node take to join, before failing
+    rdzv_port: int | None  # several nodes: rendezvous port on the first node (None = free)
     slots: SlotsCfg
 
 
@@ -285,7 +286,8 @@ class Config:
         for key in ("log_every_steps", "stop_check_s", "checkpoint", "results_dir", "run",
                     "sweep", "tracking", "profile"):
             d.pop(key, None)
-        d["hardware"].pop("slots", None)  # which GPUs/cores of the node, and where the data
+        for key in ("slots", "rdzv_port"):  # which GPUs/cores and port, and where the data
+            d["hardware"].pop(key, None)
         d["data"].pop("prepared_dir", None)  # lives: not what is computed
         return config_hash(d)
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -27,18 +26,13 @@ from .data.prepared import write_json_atomic
 from .errors import UserError
 from .procs import TORCHRUN, WarmAgent, run_torchrun
 from .provenance import expected_record, stage_result
+from .slurmnodes import check_slurm_gpus, free_port, missing_nodes_text, roll_call_dir, srun_command
 from .summary import result_text, write_summary
 from .userimport import add_code_dirs
 from .wallclock import LAUNCH_T0, complete
 
 EXIT_STOPPED = 75  # stopped at a checkpoint before the end (preempted): run again to resume
 EXIT_DIVERGED = 3  # loss became NaN/inf: rerunning the same settings will not help
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def visible_gpus() -> int:
@@ -81,26 +75,6 @@ def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
     if cfg.deterministic:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     return n, device, env
-
-
-def check_slurm_gpus(cfg: Config) -> None:
-    """In a Slurm job that asked for GPUs, the GPUs this launcher sees must be the GPUs the
-    stage asked for: fewer means the job was split into one task per GPU (an executor
-    plugin adding --ntasks-per-gpu) or a --set-resources override; training on them would
-    quietly run a different job than the config says."""
-    from .slots import gpu_ids
-
-    want = cfg.slurm.gpus
-    if not os.environ.get("SLURM_JOB_ID") or want == 0 or cfg.hardware.nodes > 1:
-        return
-    seen = gpu_ids()
-    if len(seen) != want:
-        raise UserError(f"this Slurm job sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES="
-                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}, job "
-                        f"{os.environ['SLURM_JOB_ID']}) but slurm.gpus asks for {want}; "
-                        f"request the GPUs as one task (snakemake-executor-plugin-slurm >= "
-                        f"2.7.1, resource tasks_per_gpu=0, as the workflow does) or set "
-                        f"slurm.gpus to what the job gets")
 
 
 def stage_ranks(cfg: Config, stage: str) -> tuple[int, str, dict[str, str]]:
@@ -237,53 +211,7 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
                f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={stage}-{os.getpid()}",
                restarts, *train]
         return cmd, env
-    # several nodes: one torchrun per node through srun, meeting at a c10d rendezvous
-    # on the first node of the Slurm allocation (where this launcher runs)
-    nodes = cfg.hardware.nodes
-    hosts = slurm_hosts()
-    if len(hosts) < nodes:
-        raise UserError(f"hardware.nodes is {nodes} but the Slurm allocation has "
-                        f"{len(hosts)} node(s); submit with --nodes={nodes} "
-                        f"(slurm resource nodes) or lower hardware.nodes")
-    job = os.environ.get("SLURM_JOB_ID", "ddpflow")
-    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-           "--kill-on-bad-exit=1", sys.executable, "-m", "torch.distributed.run",
-           f"--nnodes={nodes}", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint={hosts[0]}:{free_port()}", f"--rdzv-id={job}", restarts, *train]
-    return cmd, env
-
-
-def slurm_hosts() -> list[str]:
-    """Host names of the current Slurm allocation, first = rendezvous host."""
-    nodelist = (os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-                or _job_nodelist(os.environ.get("SLURM_JOB_ID")))
-    if not nodelist:
-        raise UserError("hardware.nodes > 1 runs inside a Slurm allocation of that many "
-                        "nodes (no SLURM_JOB_NODELIST here); use --profile profiles/slurm "
-                        "or sbatch --nodes=N, see docs/slurm.md")
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, check=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise UserError(f"cannot expand the Slurm node list '{nodelist}' with scontrol ({e})"
-                        ) from None
-    return out.split()
-
-
-def _job_nodelist(job: str | None) -> str | None:
-    """The node list of a job, asked of Slurm: Snakemake's Slurm job step keeps only
-    SLURM_JOB_ID of the allocation's variables in the environment it runs a rule in."""
-    if not job:
-        return None
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
-                             text=True, check=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for field in out.split():
-        if field.startswith("NodeList=") and field != "NodeList=(null)":
-            return field.split("=", 1)[1]
-    return None
+    return srun_command(cfg, n, resolved, restarts, train), env
 
 
 def _read_json(path: Path) -> dict | None:
@@ -357,6 +285,7 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
                                                   list(extra_args), t0), None
         else:
             write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
+            shutil.rmtree(roll_call_dir(out / "config.json"), ignore_errors=True)
             rc, stop_signal = run_torchrun(cmd, {**env, LAUNCH_T0: f"{t0:.6f}"},  # ranks
                                            watch=out / RANK_ERROR, agent=agent)  # count from t0
         complete_wall(cfg, stage, t0)
@@ -430,10 +359,12 @@ def _outcome(cfg: Config, stage: str, rc: int, stop_signal: str | None, quiet: b
                  f"(preempted); run the same command again to resume from "
                  f"{out / 'checkpoints'}", file=sys.stderr)
         return EXIT_STOPPED
+    gone = missing_nodes_text(cfg, out)
     kept = (f"completed checkpoints are kept in {out / 'checkpoints'} and a rerun resumes "
             f"from the newest valid one" if has_ckpt else "no checkpoint was written yet")
-    said(f"ddpflow: error: stage '{stage}' failed: torchrun exited with {rc} after up to "
-         f"{cfg.hardware.max_restarts} restart(s); {kept}", file=sys.stderr)
+    why = gone or (f"torchrun exited with {rc} after up to {cfg.hardware.max_restarts} "
+                   f"restart(s)")
+    said(f"ddpflow: error: stage '{stage}' failed: {why}; {kept}", file=sys.stderr)
     return rc if rc > 0 else 1
 
 
@@ -458,12 +389,16 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
     with locks.exclusive(out / ".lock", f"tuning of run '{cfg.run}' ({out})"):
         out.mkdir(parents=True, exist_ok=True)
         (out / RANK_ERROR).unlink(missing_ok=True)
+        shutil.rmtree(roll_call_dir(resolved), ignore_errors=True)
         write_json_atomic(resolved, cfg.to_dict())
         rc, _ = run_torchrun(cmd, env, watch=out / RANK_ERROR)
         rank_error = _read_json(out / RANK_ERROR)
         if rank_error:
             raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
     result = cfg.run_dir / "tune.json"
+    if rc != 0 and (gone := missing_nodes_text(cfg, out)):
+        print(f"ddpflow: error: tuning failed: {gone}", file=sys.stderr)
+        return rc
     if rc != 0 or not result.is_file():
         print(f"ddpflow: error: tuning failed (torchrun exited with {rc})", file=sys.stderr)
         return rc or 1
