@@ -249,7 +249,7 @@ def test_a_node_that_cannot_reach_the_rendezvous_is_named(tmp_path):
     cfg = {**TINY, "data": {"train_size": 64, "val_size": 16, "test_size": 16,
                             "image_size": 16},
            "hardware": {"nodes": 2, "nproc_per_node": 1, "threads_per_rank": 1,
-                        "device": "cpu", "max_restarts": 0, "timeout_s": 15,
+                        "device": "cpu", "max_restarts": 0, "timeout_s": 10,
                         "rdzv_port": port},
            "stages": [{"name": "a", "max_steps": 4, "batch_size": 8, "lr": 0.05}]}
     (tmp_path / "c.yaml").write_text(json.dumps(cfg))
@@ -271,9 +271,86 @@ def test_a_node_that_cannot_reach_the_rendezvous_is_named(tmp_path):
     log = (tmp_path / "job.log").read_text()
     assert sub.returncode != 0, log[-3000:]
     assert "1 of 2 node(s) never joined the rendezvous on ddpn1" in log, log[-3000:]
-    assert "within hardware.timeout_s (15 s): ddpn2" in log, log[-3000:]
+    assert "within hardware.timeout_s (10 s): ddpn2" in log, log[-3000:]
     assert "node ddpn2 could not reach the rendezvous at ddpn1:29431" in log, log[-3000:]
     assert "Traceback" not in log.split("could not reach")[-1], log[-3000:]
-    assert took < 15 + 60, took  # the timeout plus Slurm's and torchrun's start and teardown
+    assert took < 10 + 60, took  # the timeout plus Slurm's and torchrun's start and teardown
     stage = tmp_path / "results/wf/stages/a"
     assert not (stage / "summary.json").exists() and not (stage / "final.pt").exists()
+
+
+def _pair_job(tmp_path: Path, log: str) -> str:
+    """Submit `ddpflow launch` of c.yaml as a 2-node job on partition pair; its job id."""
+    return subprocess.run(
+        ["sbatch", "--parsable", "-p", "pair", "--nodes=2", "-c", "1", "--mem=500",
+         "-o", str(tmp_path / log), "--chdir", str(tmp_path),
+         f"--export=ALL,PATH={BIN}:{os.environ['PATH']}",
+         "--wrap", f"{BIN / 'ddpflow'} launch --config c.yaml --stage a"],
+        capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+
+
+def _trained_to(metrics: Path, step: int, timeout: float = 180) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if metrics.is_file() and sum(1 for _ in metrics.open()) >= step // 5:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the two-node job never reached step {step}")
+
+
+def _ended(job: str, timeout: float = 180) -> str:
+    """Wait for a job to end; its exit code as sacct says it ('75:0')."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"],
+                             capture_output=True, text=True).stdout.strip()
+        if out and out.split("|")[0] not in ("PENDING", "RUNNING", "COMPLETING"):
+            return out.split("|")[1]
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} did not end")
+
+
+def _launcher_pid(folder: Path) -> int:
+    """The pid of the `ddpflow launch` running in folder (under ddpn1's slurmstepd)."""
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"launch" in cmd and os.readlink(f"/proc/{pid}/cwd") == str(folder):
+                return int(pid)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError("no ddpflow launch process found")
+
+
+def test_two_nodes_stop_at_a_checkpoint_on_usr1(tmp_path):
+    """Preemption of a 2-node job. SIGUSR1 to the launcher (a user's kill, a wrapper that
+    passes on a signal) is relayed through srun to the ranks on both nodes; SIGUSR1 to the
+    job's steps (what the profile's `--signal=USR1@T` does) reaches the ranks and the torchrun
+    agents, which ignore it. Either way the ranks write a checkpoint, the launcher exits 75,
+    and the next submission resumes from it."""
+    cfg = {**TINY, "log_every_steps": 5, "stop_check_s": 2,
+           "data": {"train_size": 512, "val_size": 16, "test_size": 16, "image_size": 16},
+           "hardware": {"nodes": 2, "nproc_per_node": 1, "threads_per_rank": 1,
+                        "device": "cpu", "max_restarts": 0, "timeout_s": 60},
+           "checkpoint": {"every_steps": 0, "every_epochs": 0},
+           "stages": [{"name": "a", "max_steps": 100000, "batch_size": 8, "lr": 0.05}]}
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))
+    ddpflow("prepare", "--config", tmp_path / "c.yaml", check=True, cwd=tmp_path)
+    stage = tmp_path / "results/wf/stages/a"
+    steps = []
+    for attempt in (1, 2):
+        job = _pair_job(tmp_path, f"job{attempt}.log")
+        _trained_to(stage / "metrics.jsonl", 10 + (steps[-1] if steps else 0))
+        if attempt == 1:
+            os.kill(_launcher_pid(tmp_path), 10)  # SIGUSR1
+        else:
+            subprocess.run(["scancel", "--signal=USR1", job], check=True)
+        code = _ended(job)
+        log = (tmp_path / f"job{attempt}.log").read_text()
+        assert code == "75:0", (code, log[-3000:])
+        assert "stopped at a checkpoint before its end (preempted)" in log, log[-3000:]
+        ckpts = sorted(int(p.name[5:14]) for p in (stage / "checkpoints").glob("ckpt-*.pt"))
+        assert ckpts and (not steps or ckpts[-1] > steps[-1]), (ckpts, steps)
+        steps.append(ckpts[-1])
+        assert not (stage / "final.pt").exists() and not (stage / "summary.json").exists()
+    assert f"resumed from ckpt-{steps[0]:09d}" in log, log[-3000:]

@@ -106,6 +106,9 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
             relay(signum)
 
     def relay(signum):
+        if cmd[0] == "srun":  # several nodes: the ranks are on the nodes, not children here
+            relay_through_srun()
+            return
         # torchrun starts each rank in a session of its own, and on SIGTERM it kills its
         # ranks 30 s later: so the signal goes to the ranks themselves (SIGINT as SIGTERM).
         # They checkpoint at their next check and exit 0; torchrun then ends by itself.
@@ -123,6 +126,18 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
             except ProcessLookupError:
                 pass
 
+    def relay_through_srun():
+        # srun hands SIGUSR1 to every process of its step: the ranks stop at a checkpoint
+        # and exit 0, the torchrun agents ignore it (rollcall.py) and then end by themselves.
+        # Again every few seconds, for ranks that were still starting (signals ignored).
+        if time.monotonic() - told_srun[0] > 5.0:
+            told_srun[0] = time.monotonic()
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+    told_srun = [-1e9]
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
     if agent is not None and agent.pipe is not None and cmd[:len(TORCHRUN)] == TORCHRUN:

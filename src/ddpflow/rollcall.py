@@ -14,6 +14,7 @@ Only the standard library is imported here: this runs before every torchrun of t
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -90,6 +91,10 @@ def main(argv: list[str]) -> int:
               f"within {timeout_s:.0f} s", file=sys.stderr)
         return EXIT_UNREACHED
     answer(folder)
+    # a scheduler's SIGUSR1 (sbatch --signal=USR1@T, scancel --signal=USR1) reaches every
+    # process of the step: torchrun has no handler and would die of it, taking its ranks down
+    # before they checkpoint; the ranks install their own handler (a stop at a checkpoint)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     sys.stdout.flush()
     os.execvp(command[0], command)  # this process becomes the node's torchrun agent
     return 0  # not reached
