@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def launch(cfg: Config, stage: str | None, split: str, images: str | None, weigh
     """Check, then one torchrun whose ranks evaluate together; prints the result."""
     from .launch import RANK_ERROR, plan
     from .procs import run_torchrun
+    from .slurmnodes import missing_nodes_text, roll_call_dir
     stage = stage or cfg.stages[-1].name
     cfg.stage(stage)
     meta = _meta(cfg)
@@ -66,13 +68,15 @@ def launch(cfg: Config, stage: str | None, split: str, images: str | None, weigh
     extra = [f"--split={split}", f"--weights={weights}", f"--out={folder}"]
     extra += [f"--images={images}"] if images else []
     cmd, env = plan(cfg, stage, resolved, extra, command="evaluate-rank")
+    shutil.rmtree(roll_call_dir(resolved), ignore_errors=True)  # several nodes: who answers
     rc, _ = run_torchrun(cmd, env, watch=folder / RANK_ERROR)
     rank_error = json.loads((folder / RANK_ERROR).read_text()) if (
         folder / RANK_ERROR).is_file() else None
     if rank_error:
         raise UserError(rank_error.get("message", "a rank stopped on a mistake"))
     if rc != 0 or not (folder / "metrics.json").is_file():
-        print(f"ddpflow: error: evaluation failed (torchrun exited with {rc})", file=sys.stderr)
+        why = (rc and missing_nodes_text(cfg, folder)) or f"torchrun exited with {rc}"
+        print(f"ddpflow: error: evaluation failed ({why})", file=sys.stderr)
         return rc or 1
     m = json.loads((folder / "metrics.json").read_text())
     print(f"ddpflow: {stage} ({m['weights']['weights']} weights) on {m['split']}: "

@@ -396,11 +396,9 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
         if rank_error:
             raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
     result = cfg.run_dir / "tune.json"
-    if rc != 0 and (gone := missing_nodes_text(cfg, out)):
-        print(f"ddpflow: error: tuning failed: {gone}", file=sys.stderr)
-        return rc
     if rc != 0 or not result.is_file():
-        print(f"ddpflow: error: tuning failed (torchrun exited with {rc})", file=sys.stderr)
+        why = (rc and missing_nodes_text(cfg, out)) or f"torchrun exited with {rc}"
+        print(f"ddpflow: error: tuning failed ({why})", file=sys.stderr)
         return rc or 1
     choice = json.loads(result.read_text())["choice"]
     print(f"ddpflow: tuned -> {result}: " + ", ".join(f"{k} {v}" for k, v in choice.items()),
