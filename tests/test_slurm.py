@@ -85,7 +85,7 @@ def test_workflow_on_slurm_with_fake_gpus(tmp_path):
 def test_scancel_usr1_mid_training_then_retry(tmp_path):
     stage = {"name": "a", "max_steps": 300, "batch_size": 32, "lr": 0.05}
     cfg = {**TINY, "deterministic": True, "log_every_steps": 5,
-           "data": {"train_size": 2048, "val_size": 128, "image_size": 32},
+           "data": {"train_size": 1024, "val_size": 64, "test_size": 64, "image_size": 16},
            "checkpoint": {"every_steps": 10, "keep_last": 3}, "stages": [stage],
            "slurm": {"gpus": 1, "cpus_per_gpu": 2, "mem_mb": 1000, "runtime_min": 10}}
     # the uninterrupted reference, outside Slurm
@@ -98,7 +98,7 @@ def test_scancel_usr1_mid_training_then_retry(tmp_path):
     wd = tmp_path / "wd"
     wd.mkdir()
     write(wd, cfg)
-    proc = slurm_snakemake(wd, background=True)
+    proc = slurm_snakemake(wd, "results/wf/stages/a/final.pt", background=True)
     ckdir = wd / "results/wf/stages/a/checkpoints"
     job = None
     t0 = time.time()
