@@ -16,7 +16,7 @@ from conftest import REPO, ddpflow, tiny_config, write_config
 from test_workflow import AFTER, planned, snakemake, write
 
 pytestmark = pytest.mark.slow
-BASE = os.environ.get("DDPFLOW_TEST_BASE", "ddpflow-test-base:bookworm-torch2.13-cpu")
+BASE = os.environ.get("DDPFLOW_TEST_BASE", "ddpflow-test-base:bookworm-torch2.13-nvml")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -85,7 +85,10 @@ def build(cfg: Config, context: Path, out: Path) -> dict:
         return _build_apptainer(cfg, context, out, record)
     c = client(engine)
     revision = git_revision(context)
-    args = {"VERSION": __version__, "REVISION": revision}
+    # a base whose torch has no CUDA would train on the CPU of a GPU node: the build fails
+    # there (the Dockerfile checks); a host without GPUs may build a CPU image
+    args = {"VERSION": __version__, "REVISION": revision,
+            "REQUIRE_CUDA": "1" if _gpu_ids() else "0"}
     if cfg.container.base_image:
         args["BASE_IMAGE"] = cfg.container.base_image
     t0 = time.perf_counter()
@@ -162,14 +165,24 @@ def _mounts(cfg: Config) -> list[Path]:
 
 
 def _gpu_ids() -> list[str] | None:
-    """The host GPUs to hand to the container, or None where there are none."""
+    """The GPUs to hand to the container, by UUID, or None where there are none. Not by
+    index: Docker reads indices in NVML's (physical) order, torch's follow
+    CUDA_VISIBLE_DEVICES (and CUDA_DEVICE_ORDER), so "0" can name another GPU."""
     import torch
 
+    from .doctor import gpu_uuid
+
     n = torch.cuda.device_count()
-    if n == 0:
-        return None
-    outer = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return outer.split(",") if outer else [str(i) for i in range(n)]
+    return [gpu_uuid(i) for i in range(n)] if n else None
+
+
+def _caller_env(cfg: Config) -> dict[str, str]:
+    """The container runs as the caller's uid, which the image's passwd may not know:
+    getpass.getuser() (torch.compile asks it) then needs USER/LOGNAME. torch.compile's
+    cache lives in the results folder (mounted), so a later stage reuses its kernels."""
+    user = os.environ.get("USER") or os.environ.get("LOGNAME") or "ddpflow"
+    return {"HOME": "/tmp", "USER": user, "LOGNAME": user,
+            "TORCHINDUCTOR_CACHE_DIR": str((cfg.run_dir / "cache" / "inductor").resolve())}
 
 
 def _cpuset() -> str | None:
@@ -210,7 +223,7 @@ def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str],
     container = c.containers.run(
         image, argv, detach=True, working_dir=str(Path.cwd()),
         user=f"{os.getuid()}:{os.getgid()}",
-        environment={IN_CONTAINER: f"{cfg.container.engine}:{image}", "HOME": "/tmp",
+        environment={IN_CONTAINER: f"{cfg.container.engine}:{image}", **_caller_env(cfg),
                      **t0_env},
         volumes={str(m): {"bind": str(m), "mode": "rw"} for m in mounts},
         shm_size=cfg.container.shm_size, device_requests=requests, init=True,

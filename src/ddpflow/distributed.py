@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import random
 from dataclasses import dataclass
@@ -136,17 +137,27 @@ def broadcast_object(d: Dist, obj):
     return box[0]
 
 
+# the keyword changed name (broadcast_buffers is deprecated from torch 2.13 on); both still
+# sync the buffers once, when DDP is built
+_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                           inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+                           else {"broadcast_buffers": False})
+
+
 def wrap_ddp(model: torch.nn.Module, d: Dist, deterministic: bool = False
              ) -> torch.nn.Module:
     """DistributedDataParallel when more than one rank trains (one rank has nothing to
     all-reduce, so it pays no DDP overhead); gradients live in DDP's buckets (no copy per
-    step). deterministic with more than two ranks: the gradients are summed in rank order
+    step). Buffers are not broadcast at every forward (a collective per step): BatchNorm
+    trains on each batch's own statistics, not on the running ones, and validation, the
+    test split and the final weights take rank 0's (broadcast_buffers below).
+    deterministic with more than two ranks: the gradients are summed in rank order
     (ordered_mean_hook), so a resumed run repeats an uninterrupted one bit for bit."""
     if not d.backend or d.world == 1:
         return model
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-        gradient_as_bucket_view=True)
+        gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
     if deterministic and d.world > 2:
         ddp.register_comm_hook(None, ordered_mean_hook)
     return ddp

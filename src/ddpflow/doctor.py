@@ -25,8 +25,9 @@ def _in_container() -> bool:
         return False
 
 
-def _nvml_processes() -> dict[int, tuple[float, int]]:
-    """{index: (MiB used by other processes, process count)} where NVML answers."""
+def _nvml_processes() -> dict[str, tuple[float, int]]:
+    """{GPU UUID: (MiB used by other processes, process count)} where NVML answers. Keyed
+    by UUID: NVML numbers GPUs physically, torch after CUDA_VISIBLE_DEVICES."""
     try:
         import pynvml
 
@@ -34,12 +35,18 @@ def _nvml_processes() -> dict[int, tuple[float, int]]:
         out = {}
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = pynvml.nvmlDeviceGetUUID(h)
             procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
             used = sum((p.usedGpuMemory or 0) for p in procs) / 2**20
-            out[i] = (used, len(procs))
+            out[uuid.decode() if isinstance(uuid, bytes) else str(uuid)] = (used, len(procs))
         return out
     except Exception:  # noqa: BLE001 - NVML is optional
         return {}
+
+
+def gpu_uuid(index: int) -> str:
+    """torch's GPU `index` (after CUDA_VISIBLE_DEVICES) as NVML and Docker name it."""
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 
 
 def report(cfg: Config | None = None) -> str:
@@ -61,7 +68,7 @@ def report(cfg: Config | None = None) -> str:
         for i in range(n):
             p = torch.cuda.get_device_properties(i)
             free, total = torch.cuda.mem_get_info(i)
-            used_by_others, count = others.get(i, (None, None))
+            used_by_others, count = others.get(gpu_uuid(i), (None, None))
             line = (f"  [{i}] {p.name}, {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free, "
                     f"compute {p.major}.{p.minor}, {p.multi_processor_count} SMs")
             if count:

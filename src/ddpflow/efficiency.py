@@ -7,18 +7,27 @@ are the vendors' dense figures for the precision the stage trains in.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-# dense peak FLOP/s: (bf16/fp16 tensor cores, tf32 tensor cores); matched by name substring
+# dense peak FLOP/s: (bf16/fp16 tensor cores, tf32 tensor cores). A key matches when each of
+# its words is a whole word of the device name ("NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB"),
+# and the key with the most words wins: "H100 NVL" before "H100", and "RTX A1000" is not an
+# "A100". Unknown names get None (no MFU) rather than a neighbour's figure.
 PEAK = [
+    ("H200 NVL", 835e12, 418e12),
     ("H200", 989e12, 494e12),
+    ("GH200", 989e12, 494e12),
+    ("H100 NVL", 835e12, 418e12),
     ("H100 PCIe", 756e12, 378e12),
     ("H100", 989e12, 494e12),
+    ("H800", 989e12, 494e12),
     ("A100", 312e12, 156e12),
+    ("A800", 312e12, 156e12),
     ("L40S", 362e12, 183e12),
     ("L40", 181e12, 90e12),
     ("L4", 121e12, 60e12),
@@ -31,15 +40,22 @@ PEAK = [
 ]
 
 
+def peak_for_name(name: str, precision: str) -> float | None:
+    """The dense peak of the GPU called `name` for this precision, or None where unknown."""
+    words = set(re.split(r"[\s_-]+", name.upper()))
+    hits = [(len(key.split()), half, tf32) for key, half, tf32 in PEAK
+            if all(w in words for w in key.upper().split())]
+    if not hits:
+        return None
+    _, half, tf32 = max(hits, key=lambda h: h[0])
+    return half if precision in ("bf16", "fp16") else tf32
+
+
 def peak_flops(device: torch.device, precision: str) -> float | None:
     """The device's dense peak for this precision, or None where unknown (CPUs, new GPUs)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, half, tf32 in PEAK:
-        if key in name:
-            return half if precision in ("bf16", "fp16") else tf32
-    return None
+    return peak_for_name(torch.cuda.get_device_name(device), precision)
 
 
 class FlopCount:
@@ -59,29 +75,68 @@ class FlopCount:
         return False
 
 
+def replicas(model: torch.nn.Module) -> int:
+    """How many GPUs DataParallel splits each batch over (1: it calls the module itself)."""
+    if isinstance(model, torch.nn.DataParallel) and model.device_ids:
+        return len(model.device_ids)
+    return 1
+
+
+def _head(x, n: int):
+    """The first n samples of a batch (tensors, and tuples/lists/dicts of them)."""
+    if torch.is_tensor(x):
+        return x[:n] if x.dim() > 0 else x
+    if isinstance(x, dict):
+        return {k: _head(v, n) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_head(v, n) for v in x)
+    return x
+
+
+def replica_flops(module: torch.nn.Module, batch, batch_size: int, replicas: int,
+                  step) -> int:
+    """FLOPs of one micro-batch that DataParallel spreads over `replicas` GPUs.
+
+    Its replicas run in threads, and a FlopCounterMode is thread-local: counted around
+    DataParallel it sees none of their work. So one replica's share runs eagerly on the plain
+    module (`step(module, part)`: forward, loss, backward) and the count is scaled to the
+    batch. The random streams, buffers (BatchNorm statistics) and gradients are left as they
+    were, so training goes on as if this pass had never run."""
+    n = -(-batch_size // replicas)
+    part = _head(batch, n)
+    saved = [b.detach().clone() for b in module.buffers()]
+    cuda = [p.device for p in module.parameters() if p.is_cuda][:1]
+    with torch.random.fork_rng(devices=cuda), FlopCount() as counter:
+        step(module, part)
+    with torch.no_grad():
+        for b, old in zip(module.buffers(), saved):
+            b.copy_(old)
+    module.zero_grad(set_to_none=True)
+    return counter.total * batch_size // n
+
+
 class GpuSampler:
-    """Samples GPU utilisation and memory in use every `every` seconds (NVML, a thread).
+    """Samples GPU utilisation and memory in use every `every` seconds (NVML, a thread), on
+    every GPU this process drives (DataParallel drives several).
 
     Unavailable (no GPU, no nvidia-ml-py) it reports None and costs nothing."""
 
-    def __init__(self, device: torch.device, every: float = 0.5):
+    def __init__(self, devices: list[torch.device], every: float = 0.5):
         self.samples: list[tuple[float, float]] = []
-        self.handle = None
-        if device.type != "cuda":
+        self.handles: list = []
+        if not devices or devices[0].type != "cuda":
             return
         try:
             import pynvml
 
             pynvml.nvmlInit()
             # NVML numbers GPUs physically, torch after CUDA_VISIBLE_DEVICES: match by UUID
-            uuid = str(torch.cuda.get_device_properties(device).uuid)
-            try:
-                self.handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-            except Exception:  # noqa: BLE001
-                self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            for device in devices:
+                uuid = str(torch.cuda.get_device_properties(device).uuid)
+                self.handles.append(pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}"))
             self.nvml = pynvml
         except Exception:  # noqa: BLE001 - sampling is optional
-            self.handle = None
+            self.handles = []
             return
         self.lock = threading.Lock()
         self.every = every
@@ -91,17 +146,18 @@ class GpuSampler:
     def _run(self):
         while not self.stop.is_set():
             try:
-                util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu
-                mem = self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used / 2**20
+                # one sample: the mean utilisation over the GPUs, the fullest GPU's memory
+                util = [self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles]
+                mem = [self.nvml.nvmlDeviceGetMemoryInfo(h).used / 2**20 for h in self.handles]
             except Exception:  # noqa: BLE001
                 return
             with self.lock:
-                self.samples.append((float(util), float(mem)))
+                self.samples.append((sum(util) / len(util), float(max(mem))))
             time.sleep(self.every)
 
     def interval(self) -> tuple[float | None, float | None]:
-        """(mean utilisation %, max memory MiB) since the last call."""
-        if self.handle is None:
+        """(mean utilisation %, max memory MiB of one GPU) since the last call."""
+        if not self.handles:
             return None, None
         with self.lock:
             s, self.samples = self.samples, []
@@ -110,5 +166,5 @@ class GpuSampler:
         return sum(u for u, _ in s) / len(s), max(m for _, m in s)
 
     def close(self):
-        if self.handle is not None:
+        if self.handles:
             self.stop.set()

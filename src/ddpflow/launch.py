@@ -67,20 +67,27 @@ def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
         if device == "cuda" and n > n_gpu:
             raise UserError(f"hardware.nproc_per_node is {n} but only {n_gpu} GPU(s) are "
                             f"visible; one rank per GPU, so use at most {n_gpu} (or auto)")
-    cores = len(os.sched_getaffinity(0))  # a slot (slots.py) narrows the usable cores
-    threads = (max(1, cores // n) if hw.threads_per_rank == "auto" else int(hw.threads_per_rank))
-    env.update(OMP_NUM_THREADS=str(threads), DDPFLOW_THREADS=str(threads),
-               PYTHONUNBUFFERED="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+    env.update(_threads(hw, n), PYTHONUNBUFFERED="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     if cfg.deterministic:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     return n, device, env
 
 
+def _threads(hw, n: int) -> dict[str, str]:
+    """CPU threads per rank process: the usable cores shared by n ranks (or as set)."""
+    cores = len(os.sched_getaffinity(0))  # a slot (slots.py) narrows the usable cores
+    threads = (max(1, cores // n) if hw.threads_per_rank == "auto" else int(hw.threads_per_rank))
+    return {"OMP_NUM_THREADS": str(threads), "DDPFLOW_THREADS": str(threads)}
+
+
 def stage_ranks(cfg: Config, stage: str) -> tuple[int, str, dict[str, str]]:
-    """resolve_ranks for one stage: DataParallel runs one process that drives every GPU."""
+    """resolve_ranks for one stage: DataParallel runs one process that drives every GPU,
+    and that one process gets the cores that n ranks would have shared."""
     n, device, env = resolve_ranks(cfg)
-    return (1 if cfg.stage(stage).strategy == "dp" else n), device, env
+    if cfg.stage(stage).strategy == "dp":
+        return 1, device, {**env, **_threads(cfg.hardware, 1)}
+    return n, device, env
 
 
 def preflight(cfg: Config, stage: str, world: int = 1) -> None:

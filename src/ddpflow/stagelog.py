@@ -30,10 +30,10 @@ def interval_record(t, per_rank: list, dt: float, wait: float, n: int, loss: flo
         "samples_per_s_per_rank": [per_sample / (r[0] * n) for r in per_rank],
         "compute_samples_per_s": per_sample * d.world / max(dt - wait, 1e-9),
         "tflops": flops_s / 1e12,
-        "mfu": flops_s / (t.peak * d.world) if t.peak else None,
+        "mfu": flops_s / (t.peak * d.world * len(t.devices)) if t.peak else None,
         "gpu_util": util, "gpu_mem_mib": gpu_mem,
         "step_time_s": dt / n, "step_time_s_per_rank": [r[0] for r in per_rank],
-        "data_wait_fraction": wait / dt, "peak_mem_mib": peak_memory_mib(d.device),
+        "data_wait_fraction": wait / dt, "peak_mem_mib": max(peak_memory_mib(v) for v in t.devices),
         "grad_scale": t.scaler.get_scale() if t.scaler.is_enabled() else None,
         "skipped_steps": int(t.skipped.item()),
         "warmup": t.first_interval, "time_s": s.elapsed_s + now - t.t_start}
@@ -70,12 +70,13 @@ def stage_summary(t) -> dict:
                                  "teardown (wall_samples_per_s includes everything)",
         "wall_samples_per_s": wall["samples_per_s"],
         "flops_per_sample": (t.flops_per_micro / t.batch_size if t.flops_per_micro else None),
-        "peak_flops_per_gpu": t.peak,
+        "peak_flops_per_gpu": t.peak, "gpus_per_rank": len(t.devices),
         "world_size": d.world, "device": d.device.type, "backend": d.backend,
         "precision": t.precision, "strategy": t.st.strategy,
         "wrapper": type(t.model).__name__ if t.model is not unwrap(t.model) else None,
         "batch_size_per_rank": t.batch_size, "grad_accum_steps": t.accum,
         "channels_last": t.channels_last, "compile": t.compile, "tuned": t.tuned,
+        "compiled_graphs": compiled_graphs() if t.compile else None,  # > 0: it did compile
         "global_batch": t.global_batch, "lr_effective": t.lr,
         "skipped_steps": int(t.skipped.item()),
         "loader": t.data.kind, "loader_reason": t.data.reason,
@@ -94,6 +95,13 @@ def stage_summary(t) -> dict:
     }
     write_summary(t.out / "summary.json", summary)
     return summary
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile built in this process (Dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def write_failure(t) -> None:

@@ -28,7 +28,7 @@ from .config import Config, config_hash
 from .data import prepared
 from .data.mixing import Recipe, progressive_sizes
 from .data.pipeline import close_workers, open_pipeline
-from .efficiency import FlopCount, GpuSampler, peak_flops
+from .efficiency import FlopCount, GpuSampler, peak_flops, replica_flops, replicas
 from .ema import open_ema
 from .errors import UserError
 from .metrics import MetricsLog
@@ -240,7 +240,10 @@ class Trainer:
         self.first_interval = True
         self.flops_per_micro = None  # FLOPs of one micro-batch, forward + backward, once
         self.peak = peak_flops(d.device, self.precision)  # per GPU, or None (CPU, unknown)
-        self.gpu = GpuSampler(d.device) if d.is_master else None
+        # the GPUs this process drives: its own, or DataParallel's (MFU counts them all)
+        self.devices = ([torch.device("cuda", i) for i in self.model.device_ids]
+                        if replicas(self.model) > 1 else [d.device])
+        self.gpu = GpuSampler(self.devices) if d.is_master else None
         self.stop_poll = StopPoll(self.cfg.stop_check_s, s.step)
         self.prof = open_profiler(self.cfg, self.st.name, d.rank, d.device, self.out)
         self.clock.lap("startup")  # start-up ends here: the loop asks for its first batch
@@ -288,14 +291,16 @@ class Trainer:
             batch = next(it)
             self.interval[1] += self.clock.lap("data_wait")  # host time blocked on the batch
             last = micro == self.accum - 1 or not hasattr(model, "no_sync")
+            counting = self.flops_per_micro is None
+            if counting and replicas(model) > 1:  # DataParallel's threads: counted apart
+                self.flops_per_micro = replica_flops(unwrap(model), batch, self.batch_size,
+                                                     replicas(model), self.micro_step)
             counter = FlopCount() if self.flops_per_micro is None else nullcontext()
+            # the counted micro-batch runs on the uncompiled model: Dynamo does not compile a
+            # frame while a dispatch mode (the FLOP counter) is active
+            net = model if counting else self.train_model
             with counter, nullcontext() if last else model.no_sync():
-                with self.autocast:
-                    loss = self.task.loss(forward(self.train_model, batch[0]), batch)
-                    if self.flops_per_micro is None:
-                        check_loss(loss, self.cfg.task.name)
-                    loss = loss / self.accum
-                self.scaler.scale(loss).backward()
+                loss = self.micro_step(net, batch, check=counting)
             if self.flops_per_micro is None:
                 self.flops_per_micro = counter.total
             self.loss_sum += loss.detach()
@@ -323,17 +328,29 @@ class Trainer:
         if "first_step" not in self.clock.marks:
             self.clock.mark("first_step")  # host side: the step's kernels may still be queued
 
+    def micro_step(self, net: nn.Module, batch, check: bool = False) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch; the loss (scaled for accumulation)."""
+        with self.autocast:
+            loss = self.task.loss(forward(net, batch[0]), batch)
+            if check:
+                check_loss(loss, self.cfg.task.name)
+            loss = loss / self.accum
+        self.scaler.scale(loss).backward()
+        return loss
+
     def log_interval(self) -> bool:
         """Sync point: the interval's loss to the host and one collective of per-rank
         timings, first bad step and stop flag. Returns whether a rank asked to stop."""
         s, d = self.state, self.d
+        # sync point first: .item() waits for the interval's queued kernels, and only then is
+        # the clock read (read before, samples/s and MFU would count unfinished work)
+        loss_value = float(self.loss_sum.item()) / s.loss_count
+        first_bad = float(self.first_bad.item())
         now = time.perf_counter()
         t0, wait, n = self.interval
         dt = now - t0
-        loss_value = float(self.loss_sum.item()) / s.loss_count
         per_rank = distributed.all_gather_floats(
-            d, [dt / n, wait / dt, float(self.first_bad.item()),
-                1.0 if stopflag.received() else 0.0])
+            d, [dt / n, wait / dt, first_bad, 1.0 if stopflag.received() else 0.0])
         bad_steps = [int(r[2]) for r in per_rank if r[2] >= 0]
         if bad_steps:  # every rank sees it and stops; the last checkpoint stays
             self.diverged = self.divergence(bad_steps, loss_value)
@@ -426,10 +443,25 @@ class Trainer:
             write_results(self)  # failed.json, or final.pt and summary.json; trackers closed
 
 
+NONDETERMINISTIC = " does not have a deterministic implementation"  # torch's alert
+
+
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
     """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return Trainer(cfg, stage_name, halt_after_steps).run()
+    try:
+        return Trainer(cfg, stage_name, halt_after_steps).run()
+    except RuntimeError as e:
+        # deterministic: true and a kernel without a deterministic version (most are CUDA
+        # backward kernels: adaptive pooling, index_add, scatter_add, interpolation): torch
+        # raises at the op's first call, that is in the first step, before any weight changed
+        if NONDETERMINISTIC not in str(e):
+            raise
+        op = str(e).split(NONDETERMINISTIC)[0].strip().split()[-1]
+        raise UserError(f"deterministic: true, but model {cfg.model.name} runs {op}, which has "
+                        f"no deterministic kernel on this device; "
+                        f"set deterministic: false (results then vary slightly from run to "
+                        f"run), or replace the layer that calls it") from None
 
 
 main = train_stage  # what each torchrun rank runs (cli.py)

@@ -5,5 +5,5 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 COPY wheels /tmp/wheels
 RUN python3 -m pip install --no-index --find-links /tmp/wheels --break-system-packages \
-        torch numpy pyyaml jsonschema tqdm pillow setuptools \
+        torch numpy pyyaml jsonschema tqdm pillow setuptools nvidia-ml-py \
     && rm -rf /tmp/wheels /root/.cache

@@ -3,9 +3,10 @@
 # project's Dockerfile is built on (nothing can be pulled from a registry here).
 #   bash tests/setup/docker.sh        (idempotent; needs root the first time)
 # The base image: Debian bookworm (debootstrap) + python3 + a CPU-only torch and
-# ddpflow's runtime needs, installed offline from wheels downloaded on the host.
+# ddpflow's runtime needs (nvidia-ml-py too), installed offline from wheels downloaded on
+# the host.
 set -euo pipefail
-BASE_TAG=${DDPFLOW_TEST_BASE:-ddpflow-test-base:bookworm-torch2.13-cpu}
+BASE_TAG=${DDPFLOW_TEST_BASE:-ddpflow-test-base:bookworm-torch2.13-nvml}
 here=$(cd "$(dirname "$0")" && pwd)
 work=${DDPFLOW_TEST_CACHE:-/var/tmp/ddpflow-test}
 mkdir -p "$work"
@@ -45,7 +46,8 @@ rm -rf "$ctx" && mkdir -p "$ctx/wheels"
 # torch for the image: the small CPU build (a local version, served by PyTorch's CPU wheel
 # index or by a pip configured with local wheels) where pip finds it, else the default
 # wheel of the plain package index (a CUDA build: several GB with its CUDA libraries)
-needs=("numpy>=1.24" "pyyaml>=6" "jsonschema>=4.18" "tqdm>=4.60" "pillow>=9" "setuptools>=64")
+needs=("numpy>=1.24" "pyyaml>=6" "jsonschema>=4.18" "tqdm>=4.60" "pillow>=9" "setuptools>=64"
+       "nvidia-ml-py>=12")
 torch_pin=${DDPFLOW_TEST_TORCH:-2.13.0}
 if ! python3 -m pip download -q -d "$ctx/wheels" "torch==${torch_pin}+cpu" "${needs[@]}"; then
   echo "torch==${torch_pin}+cpu is not served here: using the default torch==${torch_pin} wheel"

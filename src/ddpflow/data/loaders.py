@@ -191,9 +191,8 @@ class TrainBatches:
         self.source = images
         if kind == "device":
             # the whole split is copied (decoded) to the device once; steps only index it
-            x, y = _read_all(images, labels, self.bad)
-            self.images = torch.from_numpy(x).to(device)
-            self.labels = torch.from_numpy(y).long().to(device)
+            self.images, self.labels = upload(images, labels, np.arange(len(labels)), device,
+                                              self.bad)
         self.sampler = EpochSampler(len(self.labels) if kind == "device" else len(labels),
                                     world, rank, seed)
         self.steps_per_epoch = self.sampler.num_samples // batch_size
@@ -251,17 +250,43 @@ class TrainBatches:
         return center_crop(self.normalize(augment(x, self.aug, g)), self.image_size)
 
 
-def _read_all(images, labels, bad: BadSamples, chunk: int = 4096):
-    """A whole split in host memory (decoded JPEG shards without their unreadable samples)."""
-    if not isinstance(images, JpegImages):
-        return np.array(images), np.array(labels)
-    xs, ys = [], []
-    for i in range(0, len(labels), chunk):
-        x, y, _, lost = read_rows(images, labels, np.arange(i, min(i + chunk, len(labels))))
+def upload(images, labels, idx, device: torch.device, bad: BadSamples,
+           chunk_bytes: int = 64 * 2**20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows idx of a split as device tensors (uint8 images, int64 labels), without its
+    unreadable samples. The device tensor is allocated once and filled chunk by chunk, so
+    host memory holds one chunk (about chunk_bytes) at a time, never the split: 8 ranks x a
+    40 GB set would not fit a node's RAM. On a GPU each chunk goes through a pinned staging
+    buffer (a fast, asynchronous copy); two alternate, so reading the next chunk from the
+    memmap overlaps the copy of the last."""
+    idx = np.asarray(idx, dtype=np.int64)
+    row_bytes = max(1, int(np.prod(images.shape[1:], dtype=np.int64)))
+    rows = max(1, min(len(idx), chunk_bytes // row_bytes))
+    x = torch.empty((len(idx), *images.shape[1:]), dtype=torch.uint8, device=device)
+    y = torch.empty(len(idx), dtype=torch.long, device=device)
+    cuda = device.type == "cuda"
+    staging = [torch.empty((rows, *images.shape[1:]), dtype=torch.uint8, pin_memory=True)
+               for _ in range(2)] if cuda else []
+    copied = [None, None]  # the event after each staging buffer's last copy
+    kept = 0
+    for k, start in enumerate(range(0, len(idx), rows)):
+        part, lab, _, lost = read_rows(images, labels, idx[start:start + rows])
         bad.note(lost)
-        xs.append(x)
-        ys.append(y)
-    return np.concatenate(xs), np.concatenate(ys)
+        m = len(lab)
+        if cuda:
+            buf, slot = staging[k % 2], k % 2
+            if copied[slot] is not None:
+                copied[slot].synchronize()  # sync point: this buffer's last copy is done
+            buf[:m].numpy()[...] = part
+            x[kept:kept + m].copy_(buf[:m], non_blocking=True)
+            copied[slot] = torch.cuda.Event()
+            copied[slot].record()
+        else:
+            x[kept:kept + m].copy_(torch.from_numpy(np.ascontiguousarray(part)))
+        y[kept:kept + m].copy_(torch.from_numpy(np.asarray(lab, dtype=np.int64)))
+        kept += m
+    if cuda:
+        torch.cuda.current_stream(device).synchronize()  # the staging buffers are freed next
+    return x[:kept], y[:kept]
 
 
 def forever(make_epoch):
@@ -291,10 +316,7 @@ def val_batches(images, labels, device, world, rank, normalize, resident=False,
 
     def batches(batch_size: int):
         if resident and not kept:
-            x, y, _, lost = read_rows(images, labels, idx)
-            bad.note(lost)
-            kept["x"] = torch.from_numpy(np.ascontiguousarray(x)).to(device)
-            kept["y"] = torch.from_numpy(y).long().to(device)
+            kept["x"], kept["y"] = upload(images, labels, idx, device, bad)
         n = len(kept["y"]) if resident else len(idx)
         for i in range(0, n, batch_size):
             if resident:

@@ -1,0 +1,284 @@
+"""The GPU code paths, where their mechanism can run on a CPU: FLOP counting with
+torch.compile and with DataParallel's threads, the order of clock and sync at a log line, the
+peak-FLOPs table, the device loader's upload, and DataParallel's threads per process.
+What only a GPU can show is checked by bench/gpu.sh."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, ddpflow, tiny_config, write_config
+from ddpflow.efficiency import FlopCount, peak_for_name, replica_flops
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
+    ("NVIDIA H100 NVL", "bf16", 835e12),
+    ("NVIDIA H200 NVL", "fp16", 835e12),
+    ("NVIDIA H200", "bf16", 989e12),
+    ("NVIDIA H100 PCIe", "fp32", 378e12),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+    ("NVIDIA RTX A1000", "bf16", None),  # not an A100
+    ("NVIDIA A10", "bf16", 125e12),
+    ("NVIDIA L40S", "bf16", 362e12),
+    ("NVIDIA L4", "bf16", 121e12),
+    ("Tesla V100-SXM2-16GB", "fp16", 125e12),
+    ("NVIDIA GeForce RTX 4090", "bf16", 165e12),
+    ("Some Future GPU", "bf16", None),
+])
+def test_the_peak_table_matches_whole_words_and_the_most_specific_name(name, precision, peak):
+    assert peak_for_name(name, precision) == peak
+
+
+class _SlowScalar:
+    """A loss sum whose .item() blocks, as a CUDA tensor's does until queued kernels finish."""
+
+    def __init__(self, wait_s: float):
+        self.wait_s = wait_s
+
+    def item(self) -> float:
+        time.sleep(self.wait_s)
+        return 2.0
+
+    def zero_(self):
+        return self
+
+
+def test_a_log_interval_reads_the_clock_after_the_sync(monkeypatch):
+    from ddpflow import train
+    from ddpflow.distributed import Dist
+    from ddpflow.runtime import StopPoll
+
+    seen = {}
+    monkeypatch.setattr(train, "interval_record",
+                        lambda t, per_rank, dt, *a: seen.setdefault("dt", dt) and {})
+    t = train.Trainer.__new__(train.Trainer)
+    t.state = train.TrainState(step=10, loss_count=5)
+    t.d = Dist(0, 0, 1, torch.device("cpu"), None)
+    t.loss_sum = _SlowScalar(0.3)  # the interval's work "still queued" when the line starts
+    t.first_bad = torch.tensor(-1)
+    t.interval = [time.perf_counter(), 0.0, 5]
+    t.log = type("Log", (), {"write": lambda self, r: None})()
+    t.bar = type("Bar", (), {"set_postfix": lambda self, **k: None})()
+    t.stop_poll = StopPoll(60, 10)
+    assert t.log_interval() is False
+    assert seen["dt"] >= 0.3  # the wait for the queued work is inside the interval
+
+
+def _thread_forward(model, x):
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("y", model(x)))
+    th.start()
+    th.join()
+    return out["y"]
+
+
+def test_dataparallel_flops_are_counted_outside_its_threads():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(),
+                          nn.Linear(8 * 14 * 14, 10))
+    x = torch.randn(8, 3, 16, 16)
+    with FlopCount() as direct:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    # the mechanism: a replica's forward in another thread is invisible to the counter
+    with FlopCount() as threaded:
+        _thread_forward(model, x).sum().backward()
+    assert threaded.total < direct.total
+    model.zero_grad(set_to_none=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    counted = replica_flops(model, (x, torch.zeros(8)), 8, 2,
+                            lambda m, b: m(b[0]).sum().backward())
+    assert counted == direct.total  # half the batch counted, scaled to all of it
+    # nothing of the counting pass stays: statistics, random stream, gradients
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_compile_compiles_and_its_flops_are_counted(tmp_path):
+    """The FLOP-counted first step runs eagerly; every other step runs the compiled model.
+    (torch 2.14 compiles on the next call after a frame skipped under the counter; the
+    trainer no longer relies on that.)"""
+    stage = {"name": "c", "max_steps": 6, "batch_size": 16, "lr": 0.05}
+    cfg = tiny_config(tmp_path, log_every_steps=3,
+                      hardware={"nproc_per_node": 1, "threads_per_rank": 2},
+                      checkpoint={"every_steps": 0, "every_epochs": 0},
+                      stages=[{**stage, "compile": True}, {**stage, "name": "e"}])
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    for name in ("c", "e"):
+        ddpflow("launch", "--config", p, "--stage", name, check=True, timeout=900)
+    s = {n: json.loads((tmp_path / f"results/t/stages/{n}/summary.json").read_text())
+         for n in ("c", "e")}
+    assert s["c"]["compile"] is True and s["c"]["compiled_graphs"] >= 1
+    assert s["e"]["compiled_graphs"] is None
+    assert s["c"]["flops_per_sample"] == s["e"]["flops_per_sample"] > 0
+
+
+_UPLOAD = r"""
+import sys, threading, time
+import numpy as np, torch
+from ddpflow.data.loaders import BadSamples, upload
+
+def anon_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+
+images = np.memmap(sys.argv[1], dtype=np.uint8, mode="r").reshape(-1, 64, 64, 3)
+labels = np.arange(len(images)) % 10
+peak, done = [anon_mib()], threading.Event()
+def sample():
+    while not done.is_set():
+        peak.append(anon_mib())
+        time.sleep(0.002)
+threading.Thread(target=sample, daemon=True).start()
+x, y = upload(images, labels, np.arange(len(images)), torch.device(sys.argv[2]),
+              BadSamples("train", len(images), 0.0, 0))
+done.set()
+print(len(x), int(y[-1]) if y.device.type == "cpu" else -1, max(peak) - peak[0])
+"""
+
+
+def test_the_device_upload_holds_one_chunk_of_host_memory_not_the_split(tmp_path):
+    """A 2 GiB split goes to the "device" chunk by chunk: the meta device stands in for a
+    GPU (it keeps no bytes), so the process's anonymous memory is what the upload itself
+    holds on the host. Reading the whole split first (np.array) held all 2 GiB."""
+    n = 2 * 2**30 // (64 * 64 * 3)
+    np_file = tmp_path / "train_images.u8"
+    np.memmap(np_file, dtype=np.uint8, mode="w+", shape=(n, 64, 64, 3)).flush()  # sparse
+    script = tmp_path / "upload.py"
+    script.write_text(_UPLOAD)
+    out = subprocess.run([sys.executable, str(script), str(np_file), "meta"], check=True,
+                         capture_output=True, text=True).stdout.split()
+    rows, _, growth_mib = int(out[0]), int(out[1]), float(out[2])
+    assert rows == n
+    assert growth_mib < 300, f"the upload held {growth_mib:.0f} MiB of host memory"
+
+
+def test_the_device_upload_keeps_every_row_in_order(tmp_path):
+    from ddpflow.data.loaders import BadSamples, upload
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (1000, 8, 8, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, 1000)
+    idx = np.arange(3, 1000, 4)  # a rank's strided share, as validation reads it
+    x, y = upload(images, labels, idx, torch.device("cpu"),
+                  BadSamples("val", 1000, 0.0, 0), chunk_bytes=5000)  # 26 rows a chunk
+    assert torch.equal(x, torch.from_numpy(images[idx])) and y.tolist() == labels[idx].tolist()
+
+
+def test_dataparallel_gets_the_cores_its_ranks_would_have_shared(tmp_path, monkeypatch):
+    import os
+
+    from ddpflow import launch
+    from ddpflow.config import from_dict
+
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    cfg = from_dict(tiny_config(tmp_path, hardware={"nproc_per_node": "auto",
+                                                    "threads_per_rank": "auto"},
+                                stages=[{"name": "ddp"}, {"name": "dp", "strategy": "dp"}]))
+    assert launch.stage_ranks(cfg, "ddp")[::2] == (4, {**launch.stage_ranks(cfg, "ddp")[2],
+                                                       "DDPFLOW_THREADS": "4"})
+    n, _, env = launch.stage_ranks(cfg, "dp")
+    assert n == 1 and env["DDPFLOW_THREADS"] == env["OMP_NUM_THREADS"] == "16"
+
+
+NONDET_MODEL = '''
+import torch
+from torch import nn
+from torch._prims_common import alert_not_deterministic
+
+
+class Net(nn.Module):
+    """What a CUDA kernel without a deterministic version does under deterministic mode
+    (adaptive_avg_pool2d's backward, say): it asks torch to alert (the same message as the
+    C++ kernels' alert), and torch raises."""
+
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        self.fc = nn.Linear(in_channels * 16 * 16, num_classes)
+
+    def forward(self, x):
+        alert_not_deterministic("my_pool_backward_cuda")
+        return self.fc(x.flatten(1))
+
+
+def build(num_classes, in_channels):
+    return Net(num_classes, in_channels)
+'''
+
+
+def test_a_kernel_without_a_deterministic_version_is_one_message(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "nondet.py").write_text(NONDET_MODEL)
+    cfg = tiny_config(tmp_path, deterministic=True,
+                      model={"name": "nondet:build", "code_dir": str(code)},
+                      hardware={"nproc_per_node": 2, "threads_per_rank": 1, "max_restarts": 2},
+                      stages=[{"name": "s", "max_steps": 4, "batch_size": 16}])
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    proc = ddpflow("launch", "--config", p, "--stage", "s")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("deterministic: true, but model nondet:build runs my_pool_backward_cuda, which has "
+            "no deterministic kernel") in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("no deterministic kernel") == 1  # no restarts of the ranks
+    assert not (tmp_path / "results/t/stages/s/summary.json").exists()
+
+
+def test_doctor_matches_other_processes_to_gpus_by_uuid(monkeypatch):
+    """CUDA_VISIBLE_DEVICES=3,1: torch's GPU 0 is NVML's 3. Only the UUID ties them; the
+    NVML and torch calls are stand-ins (no GPU here), the matching is doctor's own."""
+    import types
+
+    from ddpflow import doctor
+
+    uuids = {0: "aaaa", 1: "bbbb", 2: "cccc", 3: "dddd"}  # NVML (physical) order
+    visible = [3, 1]
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 4,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUUID=lambda h: f"GPU-{uuids[h]}",
+        nvmlDeviceGetComputeRunningProcesses=lambda h: (
+            [types.SimpleNamespace(usedGpuMemory=2**30)] if h == 3 else []),
+        nvmlSystemGetDriverVersion=lambda: "999.1")
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    props = [types.SimpleNamespace(name="NVIDIA H200", uuid=uuids[i], major=9, minor=0,
+                                   multi_processor_count=132) for i in visible]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    text = doctor.report()
+    assert "GPU 0 is shared with 1 process(es)" in text
+    assert "GPU 1 is shared" not in text and "driver 999.1" in text
+
+
+def test_the_gpu_table_prints_missing_figures_as_dashes(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_table import table
+
+    p = tmp_path / "summary.json"
+    p.write_text(json.dumps({"stage": "s", "config": {"run": "r", "model": {"name": "resnet18"},
+                                                      "data": {"image_size": 32}},
+                             "batch_size_per_rank": 64, "precision": "bf16", "mfu": None,
+                             "mean_samples_per_s": 1234.5, "wall_samples_per_s": None,
+                             "gpu_util": None, "data_wait_fraction": None}))
+    out = table([p]).splitlines()
+    assert out[2].startswith("| r/s | resnet18 | 32 | 64 | bf16 |")
+    assert "| 1234 | - | - |" in out[2] and out[2].endswith("| - | - |")
