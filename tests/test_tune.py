@@ -9,7 +9,7 @@ import math
 import pytest
 
 from conftest import ddpflow, tiny_config, write_config
-from ddpflow.tune import find_max_batch
+from ddpflow.stepmemory import find_max_batch
 
 
 @pytest.mark.parametrize("cap", [1, 3, 5, 37, 100, 256, 257, 511, 4096])
@@ -83,3 +83,54 @@ def test_doctor_without_a_gpu(tmp_path):
     out = proc.stdout
     assert "none visible" in out and "CPU cores" in out and "/dev/shm" in out
     assert "recommendations:" in out and "no GPU" in out
+
+
+def test_a_capped_rank_never_tries_what_does_not_fit(tmp_path):
+    """One rank in this process, a 6 MB cap: the 3 MB dataset may not take the device
+    loader (half of the cap is its limit), and a precision whose step does not fit at the
+    chosen batch is recorded as not fitting and never measured under DDP."""
+    import numpy as np
+    import torch
+
+    from ddpflow import distributed, tune
+    from ddpflow.config import load_config
+    from ddpflow.data import prepared
+    from ddpflow.models import build_model
+
+    cfg = tiny_config(tmp_path, data={"train_size": 4096, "val_size": 256, "test_size": 0},
+                      tune={"steps": 1, "start_batch": 16, "max_batch": 128},
+                      stages=[{"name": "s1", "max_steps": 6, "batch_size": "auto",
+                               "precision": "bf16"}])
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    c = load_config(p)
+    t = tune.run(c, "s1", cap_mb=[6])
+    assert t["device_loader"]["allowed"] is False and "does not fit" in \
+        t["device_loader"]["reason"]
+    assert {r["loader"] for r in t["loader"]} == {"dataloader"}
+    assert t["choice"]["loader"] == "dataloader"
+    budget = t["batch_search"]["per_rank"][0]["budget_bytes"]
+    assert budget == int(6 * 2**20 * (1 - c.tune.memory_margin))  # no dataset on the device
+    for row in t["precision"]:
+        assert row["fits"] == (row["memory_bytes"] is not None)
+        assert ("samples_per_s" in row) == row["fits"]
+    chosen = t["choice"]
+    assert any(r["fits"] and (r["precision"], r["channels_last"]) == (chosen["precision"],
+                                                                     chosen["channels_last"])
+               for r in t["precision"])
+
+    # the same phase with a budget between bf16's need and fp32's (about 1.6x): fp32 is
+    # left out, bf16 measured
+    meta, arrays = prepared.load(c.data_dir)
+    d = distributed.Dist(0, 0, 1, torch.device("cpu"), None)
+    base = build_model(c.model, meta["num_classes"], 3)
+    probe = tune._Probe(c, c.stage("s1"), d, meta, *arrays["train"], 3, base, 10**12, 0)
+    need = {prec: probe.step_bytes(32, prec, False) for prec in ("fp32", "bf16")}
+    assert need["fp32"] > need["bf16"]
+    probe.budget = int(np.mean(list(need.values())))
+    rows = tune._precisions(probe, 32, {"loader": "dataloader", "num_workers": 0,
+                                        "prefetch_factor": 2})
+    fits = {(r["precision"], r["channels_last"]): r["fits"] for r in rows}
+    assert not fits[("fp32", False)] and not fits[("fp32", True)]
+    assert fits[("bf16", False)] and fits[("fp16", True)]
+    assert all(("samples_per_s" in r) == r["fits"] for r in rows)

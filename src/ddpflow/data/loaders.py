@@ -330,14 +330,15 @@ def val_batches(images, labels, device, world, rank, normalize, resident=False,
     return batches
 
 
-def choose_loader(setting: str, nbytes: int, device: torch.device, fraction: float):
-    """(kind, reason): `device` when the dataset fits in `fraction` of free device memory."""
+def choose_loader(setting: str, nbytes: int, device: torch.device, fraction: float,
+                  free: int | None = None):
+    """(kind, reason): `device` when the dataset fits in `fraction` of free device memory
+    (`free` bytes where given: `ddpflow tune --memory-cap-mb`)."""
     if setting != "auto":
         return setting, f"data.loader is set to '{setting}'"
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = _available_host_memory()
+    if free is None:
+        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                else _available_host_memory())
     fits = nbytes <= fraction * free
     verdict = "fits" if fits else "does not fit"
     reason = (f"dataset {nbytes / 2**20:.0f} MiB {verdict} in {fraction:g} of "
