@@ -208,7 +208,7 @@ class StageCfg:
     grad_accum_steps: int
     grad_clip: float | None
     precision: str
-    channels_last: bool
+    channels_last: bool | str  # true | false | "auto" (train.py decides; the summary says)
     compile: bool
     strategy: str
     init_from: str | None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from contextlib import contextmanager
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -93,6 +94,20 @@ def _head(x, n: int):
     return x
 
 
+@contextmanager
+def untouched(module: torch.nn.Module):
+    """A pass of `module` that leaves no trace: its buffers (BatchNorm statistics), the
+    random streams and the gradients are as they were before it."""
+    saved = [b.detach().clone() for b in module.buffers()]
+    cuda = [p.device for p in module.parameters() if p.is_cuda][:1]
+    with torch.random.fork_rng(devices=cuda):
+        yield
+    with torch.no_grad():
+        for b, old in zip(module.buffers(), saved):
+            b.copy_(old)
+    module.zero_grad(set_to_none=True)
+
+
 def replica_flops(module: torch.nn.Module, batch, batch_size: int, replicas: int,
                   step) -> int:
     """FLOPs of one micro-batch that DataParallel spreads over `replicas` GPUs.
@@ -100,18 +115,10 @@ def replica_flops(module: torch.nn.Module, batch, batch_size: int, replicas: int
     Its replicas run in threads, and a FlopCounterMode is thread-local: counted around
     DataParallel it sees none of their work. So one replica's share runs eagerly on the plain
     module (`step(module, part)`: forward, loss, backward) and the count is scaled to the
-    batch. The random streams, buffers (BatchNorm statistics) and gradients are left as they
-    were, so training goes on as if this pass had never run."""
+    batch, leaving no trace (`untouched`)."""
     n = -(-batch_size // replicas)
-    part = _head(batch, n)
-    saved = [b.detach().clone() for b in module.buffers()]
-    cuda = [p.device for p in module.parameters() if p.is_cuda][:1]
-    with torch.random.fork_rng(devices=cuda), FlopCount() as counter:
-        step(module, part)
-    with torch.no_grad():
-        for b, old in zip(module.buffers(), saved):
-            b.copy_(old)
-    module.zero_grad(set_to_none=True)
+    with untouched(module), FlopCount() as counter:
+        step(module, _head(batch, n))
     return counter.total * batch_size // n
 
 

@@ -75,7 +75,8 @@ def stage_summary(t) -> dict:
         "precision": t.precision, "strategy": t.st.strategy,
         "wrapper": type(t.model).__name__ if t.model is not unwrap(t.model) else None,
         "batch_size_per_rank": t.batch_size, "grad_accum_steps": t.accum,
-        "channels_last": t.channels_last, "compile": t.compile, "tuned": t.tuned,
+        "channels_last": t.channels_last, "layout_reason": t.layout_reason,
+        "compile": t.compile, "tuned": t.tuned,
         "compiled_graphs": compiled_graphs() if t.compile else None,  # > 0: it did compile
         "global_batch": t.global_batch, "lr_effective": t.lr,
         "skipped_steps": int(t.skipped.item()),

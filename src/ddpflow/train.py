@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import checkpoint, distributed, earlystop, lazydynamo, runtime, stopflag
+from . import checkpoint, distributed, earlystop, layout, lazydynamo, runtime, stopflag
 from .config import Config, config_hash
 from .data import prepared
 from .data.mixing import Recipe, progressive_sizes
@@ -107,7 +107,7 @@ class Trainer:
         self.meta = prepared.read_meta(cfg.data_dir) or prepared.load(cfg.data_dir)[0]
         self.data = open_pipeline(cfg, d, self.meta, self.batch_size, self.tuned,
                                   lambda c: input_channels(cfg.model.name, c),
-                                  self.channels_last, trace=trace_file(d.rank),
+                                  self.channels_last is True, trace=trace_file(d.rank),
                                   recipe=Recipe(st.random_erasing, st.mixup_alpha,
                                                 st.cutmix_alpha))
         self.say(f"loader: {self.data.kind} ({self.data.reason})")
@@ -139,6 +139,7 @@ class Trainer:
         self.init_src = init_source(cfg, st.name)
         self.init_report = start_weights(cfg, st, model, self.init_src, self.say)
         model.to(d.device)
+        self.decide_layout(model, in_ch)
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
         # DDP across ranks (DataParallel for strategy dp, a baseline only)
@@ -146,6 +147,22 @@ class Trainer:
                                               cfg.deterministic)
         self.train_model = torch.compile(model) if self.compile else model
         self.ema = open_ema(st, unwrap(model))  # None unless stages[].ema.decay is set
+
+    def decide_layout(self, model: nn.Module, in_ch: int | None) -> None:
+        """channels_last true/false as set, or auto (layout.py: a probe on a CPU); the
+        inputs follow the model's layout."""
+        size = self.cfg.data.image_size
+        shape = (min(self.batch_size, 16), in_ch, size, size) if in_ch else None
+        if self.channels_last == "auto" and shape is None:
+            self.channels_last, self.layout_reason = False, "auto: the inputs are not images"
+        else:
+            self.channels_last, self.layout_reason = layout.decide(
+                self.channels_last, model, self.d, shape,
+                mixed_precision(self.precision, self.d.device)[1], self.cfg.deterministic,
+                self.cfg.run_dir / "layout.json",
+                {"model": self.cfg.model.name, "kwargs": self.cfg.model.kwargs,
+                 "precision": self.precision})
+        self.data.use_channels_last(self.channels_last)
 
     def build_optimizer(self) -> None:
         st, d = self.st, self.d

@@ -90,7 +90,7 @@ def load_choice(cfg: Config, st: StageCfg) -> tuple[dict | None, str | None]:
 class StageSettings:
     batch_size: int  # per rank
     precision: str  # bf16 | fp16 | fp32
-    channels_last: bool
+    channels_last: bool | str  # "auto": decided once the model is built (layout.py)
     compile: bool
     tuned: dict | None  # tune.json's choice when it was used
 
@@ -111,6 +111,8 @@ def stage_settings(cfg: Config, st: StageCfg, device, say) -> StageSettings:
         out.compile = out.compile or tuned["compile"]
     else:
         out.precision = pick_precision(st.precision, device)
+        if st.channels_last == "auto" and tuned:  # measured for this stage's settings
+            out.channels_last = tuned["channels_last"]
     if device.type == "cuda" and out.precision == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32
         torch.backends.cudnn.allow_tf32 = True
@@ -173,6 +175,12 @@ class _Probe:
     budget: int  # bytes one training step may take on this rank
     extra: int  # bytes per step besides the plain model's (DDP's gradient buckets)
 
+    @property
+    def layout(self) -> bool:
+        """channels_last for the batch and loader phases (auto: as a GPU would train)."""
+        cl = self.st.channels_last
+        return cl if isinstance(cl, bool) else self.d.device.type == "cuda"
+
     def step_bytes(self, b: int, precision: str, channels_last: bool) -> int | None:
         """What one step of batch b needs on the plain model at this precision and layout
         (its input pipeline included), or None where it does not fit in the budget."""
@@ -228,7 +236,7 @@ def _search_batch(p: _Probe, precision: str) -> dict:
     own: list[tuple[int, bool]] = []  # this rank's own verdicts, before the ranks agree
 
     def fits(b: int) -> bool:
-        memory[b] = p.step_bytes(b, precision, p.st.channels_last)
+        memory[b] = p.step_bytes(b, precision, p.layout)
         own.append((b, memory[b] is not None))
         return p.fits_everywhere(memory[b])
 
@@ -278,7 +286,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     default_loader = "device" if device_ok else "dataloader"
     batch_rows = [{"batch_size": b, **p.measure(b, default_loader, cfg.data.num_workers,
                                                 cfg.data.prefetch_factor, precision,
-                                                st.channels_last, False)} for b in candidates]
+                                                p.layout, False)} for b in candidates]
     # rank 0's choice for every rank: each measured its own throughput
     batch = distributed.broadcast_object(
         d, max(batch_rows, key=lambda r: r["samples_per_s"])["batch_size"])
@@ -287,7 +295,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     loader_opts = ([("device", 0, 2)] if device_ok else []) + [
         ("dataloader", w, f) for w in sorted({0, 2, cores}) for f in ((2, 4) if w else (2,))]
     loader_rows = [{"loader": k, "num_workers": w, "prefetch_factor": f,
-                    **p.measure(batch, k, w, f, precision, st.channels_last, False)}
+                    **p.measure(batch, k, w, f, precision, p.layout, False)}
                    for k, w, f in loader_opts]
     best_loader = distributed.broadcast_object(
         d, max(loader_rows, key=lambda r: r["samples_per_s"]))

@@ -30,6 +30,12 @@ class Pipeline:
     num_classes: int | None
     in_channels: int | None  # channels of the data (None: not images)
     train_samples: int
+    normalize: Normalize | None = None  # the prepared data's normaliser (None: user dataset)
+
+    def use_channels_last(self, on: bool) -> None:
+        """Inputs in the layout the model was given (channels_last: auto decides late)."""
+        if self.normalize is not None:
+            self.normalize.channels_last = on
 
 
 def close_workers(batches) -> None:
@@ -75,7 +81,7 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                                max_bad=cfg.data.max_bad_fraction) for split in ("val", "test")}
     test = held["test"] if len(arrays["test"][1]) else None
     return Pipeline(train, held["val"], test, kind, reason, meta["num_classes"], channels,
-                    len(train_y))
+                    len(train_y), normalize)
 
 
 def _user_dataset(cfg, d, meta, batch_size, trace) -> Pipeline:

@@ -1,0 +1,99 @@
+"""`channels_last: auto`: the memory layout a stage trains in.
+
+NHWC ("channels_last") is the layout that cuDNN's tensor-core convolutions and oneDNN's CPU
+convolutions prefer; a model without 2-D convolutions gains nothing from it. On a GPU a
+model with 2-D convolutions gets it (timm's published ResNet-50 AMP training: 1.47x). On a
+CPU the gain varies with the layers (3-40% in this project's runs, and some layers are
+slower), so a quick probe of this very model decides: forward + backward of a small batch in
+each layout, the best of three each. Every rank takes rank 0's answer: DDP's gradient
+buckets need one layout on all ranks.
+
+A timing can come out either way when the two are close, and the layout changes the
+arithmetic's order: so a probe's answer is kept in <run>/layout.json (per model, precision,
+input shape, threads and host) and every later process of the run (a resume, the next
+stage, a re-run) takes it from there. Deterministic mode never probes: a model with 2-D
+convolutions trains in channels_last on every device, the same on every run.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import distributed
+from .data.prepared import write_json_atomic
+from .efficiency import untouched
+from .models import forward
+
+
+def has_conv2d(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) for m in model.modules())
+
+
+def _step_seconds(model: nn.Module, x: torch.Tensor, autocast, reps: int = 3) -> float | None:
+    """Best of `reps` forward + backward passes (after one warm-up), or None when the
+    model's output is not a tensor (nothing simple to backpropagate)."""
+    best = float("inf")
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        with autocast:
+            out = forward(model, x)
+        if not isinstance(out, torch.Tensor):
+            return None
+        out.float().sum().backward()
+        model.zero_grad(set_to_none=True)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def probe(model: nn.Module, shape: tuple[int, ...], autocast,
+          device: torch.device) -> tuple[float, float] | None:
+    """(seconds per step in NCHW, in channels_last) of the plain model on a random batch;
+    the model is left as it was (layout, statistics, random stream, gradients)."""
+    x = torch.randn(shape, device=device)
+    with untouched(model):
+        nchw = _step_seconds(model, x, autocast)
+        model.to(memory_format=torch.channels_last)
+        nhwc = _step_seconds(model, x.contiguous(memory_format=torch.channels_last), autocast)
+        model.to(memory_format=torch.contiguous_format)
+    return None if nchw is None or nhwc is None else (nchw, nhwc)
+
+
+def decide(setting, model: nn.Module, d: distributed.Dist, shape: tuple[int, ...], autocast,
+           deterministic: bool, cache: Path, key: dict) -> tuple[bool, str]:
+    """(channels_last on, why) for the stage's setting: true, false or auto."""
+    if setting != "auto":
+        return bool(setting), f"channels_last: {str(bool(setting)).lower()} in the config"
+    if not has_conv2d(model):
+        return False, "auto: the model has no 2-D convolution"
+    if d.device.type == "cuda":
+        return True, "auto: 2-D convolutions on a GPU"
+    if deterministic:
+        return True, "auto: 2-D convolutions (deterministic mode: no timing probe)"
+    name = json.dumps({**key, "shape": list(shape), "threads": torch.get_num_threads(),
+                       "host": socket.gethostname()}, sort_keys=True)
+    kept = _read(cache).get(name)
+    if kept is None:
+        times = probe(model, shape, autocast, d.device) if d.is_master else None
+        kept = distributed.broadcast_object(d, times and {"nchw_s": times[0],
+                                                          "channels_last_s": times[1]})
+        if d.is_master:
+            write_json_atomic(cache, {**_read(cache), name: kept})
+    if not kept:
+        return False, "auto: the model's output is not a tensor, so no probe; NCHW"
+    ratio = kept["nchw_s"] / kept["channels_last_s"]
+    return ratio > 1, (f"auto: a probe on this CPU ({cache.name}), channels_last at "
+                       f"{ratio:.2f}x the speed of NCHW")
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
