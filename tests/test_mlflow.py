@@ -110,13 +110,13 @@ def test_workflow_logs_to_a_real_mlflow_server_and_survives_its_absence(tmp_path
 
     # the server goes away: training is not failed by it, the log says so, nothing is lost
     server.stop()
-    cfg["stages"] = [{**cfg["stages"][0], "lr": 0.05}, cfg["stages"][1]]
-    write(wd, cfg)  # a changed lr: both stages train again, from scratch
+    cfg["stages"] = [cfg["stages"][0], {**cfg["stages"][1], "lr": 0.05}]
+    write(wd, cfg)  # a changed lr of stage b: b trains again, from scratch (a is done)
     proc = snakemake(wd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = "".join(p.read_text(errors="replace") for p in (wd / "logs").rglob("*") if p.is_file())
-    assert "could not log stage a" in logs and "could not log the report" in proc.stderr + logs
-    unsent = wd / "results/wf/stages/a/mlflow_unsent.jsonl"
+    assert "could not log stage b" in logs and "could not log the report" in proc.stderr + logs
+    unsent = wd / "results/wf/stages/b/mlflow_unsent.jsonl"
     assert unsent.is_file() and unsent.stat().st_size > 0
 
     # back: collect sends what waited, into new runs (a fresh start, not a resume)
@@ -125,9 +125,10 @@ def test_workflow_logs_to_a_real_mlflow_server_and_survives_its_absence(tmp_path
     assert done.returncode == 0, done.stderr
     assert not unsent.exists()
     _, runs = _runs(c, exp.experiment_id)
-    a_runs = [r for r in runs if r.info.run_name == "a"]
-    assert len(a_runs) == 2 and a_runs[1].info.status == "FINISHED"
-    assert len(c.get_metric_history(a_runs[1].info.run_id, "train/loss")) == len(steps["a"])
+    b_runs = [r for r in runs if r.info.run_name == "b"]
+    assert len(b_runs) == 2 and b_runs[1].info.status == "FINISHED"
+    assert len(c.get_metric_history(b_runs[1].info.run_id, "train/loss")) == len(steps["b"])
+    assert len([r for r in runs if r.info.run_name == "a"]) == 1  # a was not trained again
 
 
 def test_mlflow_settings_checked_before_any_job(tmp_path):

@@ -100,6 +100,14 @@ def test_two_stages_chain(tmp_path):
     for k in params:
         torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-9)
     assert summary(tmp_path, "s2")["final_val_acc"] > 0.5  # far above chance (0.1)
+    # channels_last: auto on a CPU: one probe, kept in the run folder; s2 took its answer
+    s1, s2 = summary(tmp_path, "s1"), summary(tmp_path, "s2")
+    layouts = json.loads((tmp_path / "results/t/layout.json").read_text())
+    assert len(layouts) == 1 and s1["layout_reason"].startswith("auto: a probe on this CPU")
+    (kept,) = layouts.values()
+    assert s1["channels_last"] == (kept["nchw_s"] > kept["channels_last_s"])
+    assert (s2["channels_last"], s2["layout_reason"]) == (s1["channels_last"],
+                                                          s1["layout_reason"])
 
 
 def test_exact_resume_is_bit_identical(tmp_path):
@@ -134,6 +142,10 @@ def test_exact_resume_is_bit_identical(tmp_path):
     assert all("val_raw_acc" in r for r in ra if r["kind"] == "val")
     assert [{k: r.get(k) for k in key} for r in ra] == [{k: r.get(k) for k in key} for r in rb]
     assert summary(straight, "s1")["final_val_acc"] == summary(resumed, "s1")["final_val_acc"]
+    # deterministic mode: channels_last: auto is decided without a timing probe
+    assert summary(resumed, "s1")["layout_reason"] == \
+        "auto: 2-D convolutions (deterministic mode: no timing probe)"
+    assert summary(resumed, "s1")["channels_last"] is True
 
 
 def test_fp16_overflow_skips_the_steps_and_leaves_the_weights(tmp_path, monkeypatch):
