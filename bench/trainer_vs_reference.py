@@ -2,6 +2,7 @@
 the compute-only limit: same model, data, global batch and precision.
 
     python bench/trainer_vs_reference.py [--model resnet18] [--steps 60] [--rounds 3]
+                                        [--precision bf16|fp32]
 
   ddpflow       `ddpflow launch` (real torchrun, 1 rank, all cores): device loader, batched
                 augmentation; wall-clock samples/s over the same steps as the others (after
@@ -52,7 +53,7 @@ def config(tmp: Path, name: str, args, channels_last: bool | None) -> dict:
             "hardware": {"nproc_per_node": 1, "device": "cpu"},
             "checkpoint": {"every_steps": 0, "resume": "never"},
             "stages": [{"name": name, "max_steps": args.steps + WARMUP, "batch_size": BATCH,
-                        "lr": 0.05, "precision": "bf16", **layout}]}
+                        "lr": 0.05, "precision": args.precision, **layout}]}
 
 
 def ddpflow_run(tmp: Path, name: str, args, channels_last: bool | None, waits: list,
@@ -80,8 +81,8 @@ def reference_optimizer(model):
                            nesterov=True)
 
 
-def timed_loop(model, opt, batches, steps) -> float:
-    scaler = torch.amp.GradScaler("cpu", enabled=False)  # bf16 needs no scaling
+def timed_loop(model, opt, batches, steps, precision: str) -> float:
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # bf16 and fp32 need no scaling
     crit = nn.CrossEntropyLoss()
     it = iter(batches)
     t0, n = time.perf_counter(), 0
@@ -89,7 +90,7 @@ def timed_loop(model, opt, batches, steps) -> float:
         if i == WARMUP:
             t0, n = time.perf_counter(), 0
         x, y = next(it)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = crit(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -119,6 +120,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                    help="bf16 (emulated, several times slower, on CPUs without AVX-512/AMX)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as d:
@@ -139,11 +142,13 @@ def main() -> None:
         def compute_only(batches, layout):
             model = build_model(args.model, 10, 3).to(memory_format=layout)
             opt = build_optimizer(model, st, 0.05, dev)
-            return timed_loop(model, opt, forever(lambda e: batches), args.steps)
+            return timed_loop(model, opt, forever(lambda e: batches), args.steps,
+                              args.precision)
 
         def reference():
             model = build_model(args.model, 10, 3)
-            return timed_loop(model, reference_optimizer(model), ref, args.steps)
+            return timed_loop(model, reference_optimizer(model), ref, args.steps,
+                              args.precision)
 
         waits, layouts = [], []
         variants = {
@@ -170,7 +175,8 @@ def main() -> None:
                   runs["reference"][r],
                   max(runs["compute-only"][r], runs["compute-only (channels_last)"][r]))
                  for r in range(args.rounds)]
-    print(f"{args.model}, 32 px, batch {BATCH}, bf16, {torch.get_num_threads()} threads, "
+    print(f"{args.model}, 32 px, batch {BATCH}, {args.precision}, "
+          f"{torch.get_num_threads()} threads, "
           f"{args.workers} reference workers, best of {args.rounds} rounds x {args.steps} steps")
     for k, v in best.items():
         print(f"  {k:30s} {v:8.0f} samples/s")
