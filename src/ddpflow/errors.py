@@ -15,3 +15,20 @@ def short(value, limit: int = 80) -> str:
     """repr() capped: a message never prints a whole huge value."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 5] + " ..."
+
+
+NONDETERMINISTIC = " does not have a deterministic implementation"  # torch's alert
+
+
+def nondeterministic(e: BaseException, model_name: str) -> UserError | None:
+    """deterministic: true and a kernel without a deterministic version (most are CUDA
+    backward kernels: adaptive pooling, index_add, scatter_add, interpolation): torch raises
+    a RuntimeError at the op's first call, that is in the first step, before any weight
+    changed. As a UserError naming the op; None for any other error."""
+    if not isinstance(e, RuntimeError) or NONDETERMINISTIC not in str(e):
+        return None
+    op = str(e).split(NONDETERMINISTIC)[0].strip().split()[-1]
+    return UserError(f"deterministic: true, but model {model_name} runs {op}, which has no "
+                     f"deterministic kernel on this device; set deterministic: false "
+                     f"(results then vary slightly from run to run), or replace the layer "
+                     f"that calls it")

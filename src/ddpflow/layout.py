@@ -29,6 +29,7 @@ from . import distributed
 from .data.prepared import write_json_atomic
 from .efficiency import untouched
 from .models import forward
+from .runtime import mixed_precision
 
 
 def has_conv2d(model: nn.Module) -> bool:
@@ -90,6 +91,22 @@ def decide(setting, model: nn.Module, d: distributed.Dist, shape: tuple[int, ...
     ratio = kept["nchw_s"] / kept["channels_last_s"]
     return ratio > 1, (f"auto: a probe on this CPU ({cache.name}), channels_last at "
                        f"{ratio:.2f}x the speed of NCHW")
+
+
+def for_trainer(t, model: nn.Module, in_ch: int | None) -> tuple[bool, str]:
+    """decide() for a Trainer (train.py) and its plain model; the inputs of its data
+    pipeline follow the answer."""
+    size = t.cfg.data.image_size
+    if t.channels_last == "auto" and not in_ch:
+        on, why = False, "auto: the inputs are not images"
+    else:
+        on, why = decide(t.channels_last, model, t.d, (min(t.batch_size, 16), in_ch, size, size),
+                         mixed_precision(t.precision, t.d.device)[1], t.cfg.deterministic,
+                         t.cfg.run_dir / "layout.json",
+                         {"model": t.cfg.model.name, "kwargs": t.cfg.model.kwargs,
+                          "precision": t.precision})
+    t.data.use_channels_last(on)
+    return on, why
 
 
 def _read(path: Path) -> dict:

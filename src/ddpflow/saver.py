@@ -1,15 +1,16 @@
 """Saving a stage without stopping it: rank 0 copies the state to host memory at the step
 boundary (the only part training waits for), then a background thread writes best.pt and
 the checkpoint (serialise, checksum, fsync, rename: checkpoint.py's atomic rules). The next
-save, a stop and the stage's end wait for the write in flight. Reads the `Trainer`
-(train.py) it saves, like stagelog.py."""
+save, a stop and the stage's end wait for the write in flight. `restore` reads the newest
+valid checkpoint back in. Reads the `Trainer` (train.py) it saves, like stagelog.py."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
-from . import checkpoint
+from . import checkpoint, distributed
 from .models import unwrap
 from .stagelog import write_best
 
@@ -58,3 +59,24 @@ def checkpoint_state(t, gathered: list) -> dict:
             "stage": t.st.name, "config": t.cfg.to_dict(), "config_hash": t.cfg.hash,
             "stage_hash": t.cfg.stage_hash(t.st.name), "resume_key": t.resume_key,
             "record": t.record}
+
+
+def restore(t) -> tuple[Path, dict] | None:
+    """The newest valid checkpoint of the trainer's very inputs (its resume key), loaded into
+    its model, optimizer, scheduler, scaler, EMA and this rank's random streams: (path, the
+    checkpoint) for TrainState, or None without one."""
+    d = t.d
+    found = checkpoint.latest_valid(t.ckpt_dir, t.resume_key,
+                                    warn=print if d.is_master else lambda *a, **k: None)
+    if not found:
+        return None
+    saved = found[1]
+    unwrap(t.model).load_state_dict(saved["model"])
+    t.opt.load_state_dict(saved["optimizer"])
+    t.sched.load_state_dict(saved["scheduler"])
+    t.scaler.load_state_dict(saved["scaler"])
+    if t.ema:
+        t.ema.load(saved["ema"], saved["ema_updates"])
+    if len(saved["rng"]) == d.world:
+        distributed.set_rng_state(saved["rng"][d.rank], d.device)
+    return found

@@ -30,13 +30,13 @@ from .data.mixing import Recipe, progressive_sizes
 from .data.pipeline import close_workers, open_pipeline
 from .efficiency import FlopCount, GpuSampler, peak_flops, replica_flops, replicas
 from .ema import open_ema
-from .errors import UserError
+from .errors import UserError, nondeterministic
 from .metrics import MetricsLog
 from .models import build_model, forward, input_channels, param_count, unwrap
 from .profiling import open_profiler
 from .provenance import init_source, make_record
 from .runtime import StopPoll, build_optimizer, lr_factor, mixed_precision, schedule, trace_file
-from .saver import Saver
+from .saver import Saver, restore
 from .stagelog import interval_record, write_results
 from .tasks import build_task, check_loss, improves, monitor
 from .tracking import open_trackers
@@ -139,7 +139,8 @@ class Trainer:
         self.init_src = init_source(cfg, st.name)
         self.init_report = start_weights(cfg, st, model, self.init_src, self.say)
         model.to(d.device)
-        self.decide_layout(model, in_ch)
+        # channels_last true/false, or auto (layout.py); the inputs follow the model
+        self.channels_last, self.layout_reason = layout.for_trainer(self, model, in_ch)
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
         # DDP across ranks (DataParallel for strategy dp, a baseline only)
@@ -147,22 +148,6 @@ class Trainer:
                                               cfg.deterministic)
         self.train_model = torch.compile(model) if self.compile else model
         self.ema = open_ema(st, unwrap(model))  # None unless stages[].ema.decay is set
-
-    def decide_layout(self, model: nn.Module, in_ch: int | None) -> None:
-        """channels_last true/false as set, or auto (layout.py: a probe on a CPU); the
-        inputs follow the model's layout."""
-        size = self.cfg.data.image_size
-        shape = (min(self.batch_size, 16), in_ch, size, size) if in_ch else None
-        if self.channels_last == "auto" and shape is None:
-            self.channels_last, self.layout_reason = False, "auto: the inputs are not images"
-        else:
-            self.channels_last, self.layout_reason = layout.decide(
-                self.channels_last, model, self.d, shape,
-                mixed_precision(self.precision, self.d.device)[1], self.cfg.deterministic,
-                self.cfg.run_dir / "layout.json",
-                {"model": self.cfg.model.name, "kwargs": self.cfg.model.kwargs,
-                 "precision": self.precision})
-        self.data.use_channels_last(self.channels_last)
 
     def build_optimizer(self) -> None:
         st, d = self.st, self.d
@@ -179,20 +164,10 @@ class Trainer:
         self.record = make_record(cfg, self.st.name, self.meta["fingerprint"],
                                   checkpoint.sha256_of(self.init_src) if self.init_src else None)
         self.resume_key = config_hash(self.record)
-        found = (checkpoint.latest_valid(self.ckpt_dir, self.resume_key,
-                                         warn=print if d.is_master else lambda *a, **k: None)
-                 if cfg.checkpoint.resume == "auto" else None)
+        found = restore(self) if cfg.checkpoint.resume == "auto" else None
         if found:
             path, saved = found
-            unwrap(self.model).load_state_dict(saved["model"])
-            self.opt.load_state_dict(saved["optimizer"])
-            self.sched.load_state_dict(saved["scheduler"])
-            self.scaler.load_state_dict(saved["scaler"])
-            if self.ema:
-                self.ema.load(saved["ema"], saved["ema_updates"])
             self.state = TrainState.from_checkpoint(saved)
-            if len(saved["rng"]) == d.world:
-                distributed.set_rng_state(saved["rng"][d.rank], d.device)
             self.say(f"resumed from {path.name}: step {self.state.step}, "
                      f"epoch {self.state.epoch}")
         distributed.gather_objects(d, None)  # barrier: every rank has read its checkpoint
@@ -460,25 +435,16 @@ class Trainer:
             write_results(self)  # failed.json, or final.pt and summary.json; trackers closed
 
 
-NONDETERMINISTIC = " does not have a deterministic implementation"  # torch's alert
-
-
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
     """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         return Trainer(cfg, stage_name, halt_after_steps).run()
     except RuntimeError as e:
-        # deterministic: true and a kernel without a deterministic version (most are CUDA
-        # backward kernels: adaptive pooling, index_add, scatter_add, interpolation): torch
-        # raises at the op's first call, that is in the first step, before any weight changed
-        if NONDETERMINISTIC not in str(e):
+        mistake = nondeterministic(e, cfg.model.name)
+        if mistake is None:
             raise
-        op = str(e).split(NONDETERMINISTIC)[0].strip().split()[-1]
-        raise UserError(f"deterministic: true, but model {cfg.model.name} runs {op}, which has "
-                        f"no deterministic kernel on this device; "
-                        f"set deterministic: false (results then vary slightly from run to "
-                        f"run), or replace the layer that calls it") from None
+        raise mistake from None
 
 
 main = train_stage  # what each torchrun rank runs (cli.py)

@@ -341,8 +341,9 @@ def choose_loader(setting: str, nbytes: int, device: torch.device, fraction: flo
                 else _available_host_memory())
     fits = nbytes <= fraction * free
     verdict = "fits" if fits else "does not fit"
-    reason = (f"dataset {nbytes / 2**20:.0f} MiB {verdict} in {fraction:g} of "
-              f"{free / 2**30:.1f} GiB free {device.type} memory")
+    room = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.0f} MiB"
+    reason = (f"dataset {nbytes / 2**20:.0f} MiB {verdict} in {fraction:g} of {room} free "
+              f"{device.type} memory")
     return ("device" if fits else "dataloader"), reason
 
 
