@@ -282,3 +282,35 @@ def test_the_gpu_table_prints_missing_figures_as_dashes(tmp_path):
     out = table([p]).splitlines()
     assert out[2].startswith("| r/s | resnet18 | 32 | 64 | bf16 |")
     assert "| 1234 | - | - |" in out[2] and out[2].endswith("| - | - |")
+
+
+def test_a_resumed_fused_optimizer_keeps_each_parameters_layout():
+    """Found with channels_last on by default: checkpoints copied to the host contiguous,
+    and fused SGD then read a contiguous momentum buffer beside a channels_last weight.
+    Saved in its own layout, restored into the parameter's, a resumed step is exact."""
+    from ddpflow.checkpoint import HostCopy
+    from ddpflow.saver import _match_layouts
+
+    def run(resume_via_host: bool, contiguous_state: bool):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(4, 3, 3, 3).contiguous(memory_format=torch.channels_last))
+        g = torch.randn(4, 3, 3, 3).contiguous(memory_format=torch.channels_last)
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+        p.grad = g.clone()
+        opt.step()
+        if resume_via_host:
+            saved = HostCopy()(opt.state_dict())
+            assert saved["state"][0]["momentum_buffer"].stride() == p.stride()
+            if contiguous_state:  # a checkpoint of another layout
+                saved["state"][0]["momentum_buffer"] = \
+                    saved["state"][0]["momentum_buffer"].contiguous()
+            opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+            opt.load_state_dict(saved)
+            _match_layouts(opt)
+        p.grad = g.clone()
+        opt.step()
+        return p.detach()
+
+    straight = run(False, False)
+    assert torch.equal(straight, run(True, False))
+    assert torch.equal(straight, run(True, True))

@@ -92,9 +92,12 @@ class HostCopy:
 
     def _tensor(self, t: torch.Tensor, key: str) -> torch.Tensor:
         buf = self.buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
+                or buf.stride() != t.stride()):
             pin = t.device.type == "cuda"
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            # in the tensor's own layout (channels_last stays channels_last): a resumed
+            # optimizer's state must match its parameters' strides (saver.restore)
+            buf = torch.empty_like(t, device="cpu", pin_memory=pin)
             self.buffers[key] = buf
         return buf.copy_(t, non_blocking=t.device.type == "cuda")
 

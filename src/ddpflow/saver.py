@@ -10,6 +10,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
+
 from . import checkpoint, distributed
 from .models import unwrap
 from .stagelog import write_best
@@ -73,6 +75,7 @@ def restore(t) -> tuple[Path, dict] | None:
     saved = found[1]
     unwrap(t.model).load_state_dict(saved["model"])
     t.opt.load_state_dict(saved["optimizer"])
+    _match_layouts(t.opt)
     t.sched.load_state_dict(saved["scheduler"])
     t.scaler.load_state_dict(saved["scaler"])
     if t.ema:
@@ -80,3 +83,16 @@ def restore(t) -> tuple[Path, dict] | None:
     if len(saved["rng"]) == d.world:
         distributed.set_rng_state(saved["rng"][d.rank], d.device)
     return found
+
+
+def _match_layouts(opt) -> None:
+    """Each parameter's optimizer state (momentum, Adam's moments) in the parameter's own
+    memory layout. The fused optimizers read parameter, gradient and state as flat memory
+    side by side: a contiguous momentum buffer next to a channels_last weight (a checkpoint
+    of another layout, or of an older ddpflow) would be summed element by wrong element."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
+                    state[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
