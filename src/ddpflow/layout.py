@@ -9,15 +9,19 @@ each layout, the best of three each. Every rank takes rank 0's answer: DDP's gra
 buckets need one layout on all ranks.
 
 A timing can come out either way when the two are close, and the layout changes the
-arithmetic's order: so a probe's answer is kept in <run>/layout.json (per model, precision,
-input shape, threads and host) and every later process of the run (a resume, the next
-stage, a re-run) takes it from there. Deterministic mode never probes: a model with 2-D
-convolutions trains in channels_last on every device, the same on every run.
+arithmetic's order. So channels_last must win by 5% (NCHW, PyTorch's default, otherwise),
+and a probe's answer is kept (per model, precision, input shape, threads and host) in
+<run>/layout.json, which every later process of the run takes it from (a resume, the next
+stage, a re-run), and in the user's cache (~/.cache/ddpflow/layout.json, or under
+$XDG_CACHE_HOME), which later runs on this machine take it from: the same config trains the
+same way on the same machine. Delete that file to probe again. Deterministic mode never
+probes: a model with 2-D convolutions trains in channels_last on every device.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -79,18 +83,22 @@ def decide(setting, model: nn.Module, d: distributed.Dist, shape: tuple[int, ...
         return True, "auto: 2-D convolutions (deterministic mode: no timing probe)"
     name = json.dumps({**key, "shape": list(shape), "threads": torch.get_num_threads(),
                        "host": socket.gethostname()}, sort_keys=True)
-    kept = _read(cache).get(name)
+    caches = [cache, user_cache()]
+    found = [_read(c).get(name) for c in caches]
+    kept = next((k for k in found if k is not None), None)
     if kept is None:
         times = probe(model, shape, autocast, d.device) if d.is_master else None
         kept = distributed.broadcast_object(d, times and {"nchw_s": times[0],
                                                           "channels_last_s": times[1]})
-        if d.is_master:
-            write_json_atomic(cache, {**_read(cache), name: kept})
+    if d.is_master:
+        for c, had in zip(caches, found):
+            if had is None:
+                _write(c, name, kept)
     if not kept:
         return False, "auto: the model's output is not a tensor, so no probe; NCHW"
     ratio = kept["nchw_s"] / kept["channels_last_s"]
-    return ratio > 1, (f"auto: a probe on this CPU ({cache.name}), channels_last at "
-                       f"{ratio:.2f}x the speed of NCHW")
+    return ratio >= MARGIN, (f"auto: a probe on this CPU, channels_last at {ratio:.2f}x the "
+                             f"speed of NCHW (kept in layout.json)")
 
 
 def for_trainer(t, model: nn.Module, in_ch: int | None) -> tuple[bool, str]:
@@ -107,6 +115,22 @@ def for_trainer(t, model: nn.Module, in_ch: int | None) -> tuple[bool, str]:
                           "precision": t.precision})
     t.data.use_channels_last(on)
     return on, why
+
+
+MARGIN = 1.05  # channels_last must be this much faster than NCHW to be chosen
+
+
+def user_cache() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "ddpflow" / "layout.json"
+
+
+def _write(path: Path, name: str, kept) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {**_read(path), name: kept})
+    except OSError:  # a read-only home: the run folder's copy still holds
+        pass
 
 
 def _read(path: Path) -> dict:
