@@ -246,8 +246,14 @@ def test_ctrl_c_during_start_up_says_what_happened(tmp_path, start):
     import psutil
 
     t0 = time.time()  # until torchrun has started its rank (which is importing torch)
+    def cmdline(c) -> list[str]:
+        try:
+            return c.cmdline()
+        except psutil.NoSuchProcess:  # a short-lived child ended while we looked
+            return []
+
     def rank_running():
-        return any("train" in c.cmdline() and "torch.distributed.run" not in c.cmdline()
+        return any("train" in cmdline(c) and "torch.distributed.run" not in cmdline(c)
                    for c in psutil.Process(proc.pid).children(recursive=True))
 
     while not rank_running():
