@@ -111,6 +111,8 @@ def test_stage_hash_ignores_how_often_checkpoints_are_saved():
     (lambda c: c["stages"][0].update(batch_size="big"), ["stages.0.batch_size", "integer"]),
     (lambda c: c["stages"][0].update(epochs=-1), ["stages.0.epochs", "minimum"]),
     (lambda c: c["stages"][0].update(precision="fp8"), ["stages.0.precision", "'bf16'"]),
+    (lambda c: c["stages"][0].update(channels_last="on"),  # YAML's words, not Python's
+     ["stages.0.channels_last: 'on' is not one of 'auto', true, false"]),
     (lambda c: c["hardware"].update(nproc_per_node=0), ["hardware.nproc_per_node"]),
     (lambda c: c["data"].update(image_size=0), ["data.image_size"]),
     (lambda c: c["stages"][0].update(init_from="previous"), ["first stage has no previous"]),

@@ -29,6 +29,12 @@ def _yaml_hint(err: jsonschema.ValidationError) -> str:
     return ""
 
 
+def yaml_text(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value)
+
+
 def message(err: jsonschema.ValidationError) -> str:
     where = _where(err.absolute_path)
     hint = _yaml_hint(err)
@@ -40,7 +46,8 @@ def message(err: jsonschema.ValidationError) -> str:
         shown = names[0] if len(names) == 1 else "{" + ", ".join(names) + "}"
         return f"unknown key {prefix}{shown}; allowed keys here: {', '.join(allowed)}"
     if err.validator == "enum":
-        allowed = ", ".join(map(repr, err.validator_value))
+        # as YAML writes them: true/false/null, not Python's True/False/None
+        allowed = ", ".join(yaml_text(v) for v in err.validator_value)
         return f"{where}: {short(err.instance)} is not one of {allowed}{hint}"
     if err.validator == "oneOf":
         options = []
