@@ -83,22 +83,30 @@ def decide(setting, model: nn.Module, d: distributed.Dist, shape: tuple[int, ...
         return True, "auto: 2-D convolutions (deterministic mode: no timing probe)"
     name = json.dumps({**key, "shape": list(shape), "threads": torch.get_num_threads(),
                        "host": socket.gethostname()}, sort_keys=True)
-    caches = [cache, user_cache()]
-    found = [_read(c).get(name) for c in caches]
-    kept = next((k for k in found if k is not None), None)
-    if kept is None:
-        times = probe(model, shape, autocast, d.device) if d.is_master else None
-        kept = distributed.broadcast_object(d, times and {"nchw_s": times[0],
-                                                          "channels_last_s": times[1]})
-    if d.is_master:
-        for c, had in zip(caches, found):
-            if had is None:
-                _write(c, name, kept)
+    # rank 0 alone looks, probes and writes; every rank then takes its answer (one
+    # collective on every rank, whatever another node's caches hold)
+    kept = _rank0_answer(name, (cache, user_cache()), model, shape, autocast,
+                         d.device) if d.is_master else None
+    kept = distributed.broadcast_object(d, kept)
     if not kept:
         return False, "auto: the model's output is not a tensor, so no probe; NCHW"
     ratio = kept["nchw_s"] / kept["channels_last_s"]
     return ratio >= MARGIN, (f"auto: a probe on this CPU, channels_last at {ratio:.2f}x the "
                              f"speed of NCHW (kept in layout.json)")
+
+
+def _rank0_answer(name: str, caches: tuple[Path, Path], model, shape, autocast, device):
+    """The kept probe for `name` (the run folder's first, then the user's), or a new probe;
+    written to whichever cache lacked it."""
+    found = [_read(c).get(name) for c in caches]
+    kept = next((k for k in found if k is not None), None)
+    if kept is None:
+        times = probe(model, shape, autocast, device)
+        kept = times and {"nchw_s": times[0], "channels_last_s": times[1]}
+    for c, had in zip(caches, found):
+        if had is None:
+            _write(c, name, kept)
+    return kept
 
 
 def for_trainer(t, model: nn.Module, in_ch: int | None) -> tuple[bool, str]:
