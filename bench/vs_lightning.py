@@ -13,8 +13,10 @@ Reported per side: wall time from the command to the result (ddpflow: `ddpflow l
 its one-off `ddpflow prepare` of the folder is reported apart) and steady-state samples/s
 (samples over time between consecutive training batches of an epoch, the first log
 interval left out; ddpflow's from metrics.jsonl). Rounds alternate the two; the best round
-of each counts. Also `ddpflow launch` on the default config with 1 epoch: its wall-time
-split and start-up milestones.
+of each counts. Each round also times the ceiling (bench/bare_ddp.py: the same DDP step on
+a batch in memory, nothing around it), which bounds any trainer's steady state here.
+Also `ddpflow launch` on the default config with 1 epoch: its wall-time split and start-up
+milestones.
 """
 
 from __future__ import annotations
@@ -106,6 +108,15 @@ def lightning_round(root: Path, epochs: int, site: Path) -> dict:
     return {"wall_s": wall, "steady": json.loads(line)["samples_per_s"]}
 
 
+def bare_round(epochs: int, n_train: int) -> float:
+    """The ceiling: bench/bare_ddp.py, the same steps with nothing around them."""
+    steps = epochs * (n_train // (2 * BATCH))
+    _, out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                  "--master_port", "29787", str(HERE / "bare_ddp.py"), str(steps), str(BATCH),
+                  str(LR), str(LOG_EVERY)], env={"OMP_NUM_THREADS": "1"})
+    return json.loads([x for x in out.splitlines() if x.startswith("{")][-1])["samples_per_s"]
+
+
 def default_split(tmp: Path) -> dict:
     cfg = yaml.safe_load((HERE.parent / "config/config.yaml").read_text())
     cfg["results_dir"] = str(tmp / "default")
@@ -140,13 +151,15 @@ def main() -> None:
         rounds = []
         for r in range(args.rounds):
             d, lt = ddpflow_round(tmp, cfg), lightning_round(root, args.epochs, site)
-            rounds.append((d, lt))
+            rounds.append((d, lt, bare_round(args.epochs, args.train)))
             print(f"round {r}: ddpflow {d['wall_s']:.1f} s, {d['steady']:.1f} samples/s | "
-                  f"lightning {lt['wall_s']:.1f} s, {lt['steady']:.1f} samples/s")
+                  f"lightning {lt['wall_s']:.1f} s, {lt['steady']:.1f} samples/s | "
+                  f"bare DDP step {rounds[-1][2]:.1f} samples/s")
         d = min((x[0] for x in rounds), key=lambda x: x["wall_s"])
         lt = min((x[1] for x in rounds), key=lambda x: x["wall_s"])
         d_steady = max(x[0]["steady"] for x in rounds)
         lt_steady = max(x[1]["steady"] for x in rounds)
+        ceiling = max(x[2] for x in rounds)
         split = {k: round(v, 2) for k, v in d["summary"]["wall"]["split_s"].items()}
         print(f"resnet18, {args.epochs} epochs x {args.train} images (32 px PNG), 2 ranks "
               f"x 1 thread, global batch {2 * BATCH}, best of {args.rounds} rounds")
@@ -154,6 +167,9 @@ def main() -> None:
               f"ratio {d['wall_s'] / lt['wall_s']:.2f} (ddpflow prepare, once: {prep_s:.1f} s)")
         print(f"  steady state: ddpflow {d_steady:.1f} samples/s   lightning "
               f"{lt_steady:.1f} samples/s   speed-up {d_steady / lt_steady:.2f}x")
+        print(f"  ceiling (bench/bare_ddp.py: the same DDP step, nothing around it): "
+              f"{ceiling:.1f} samples/s = ddpflow x{ceiling / d_steady:.2f}, lightning "
+              f"x{ceiling / lt_steady:.2f}")
         print(f"  ddpflow wall split (s): {split}")
         ds = default_split(tmp)
         marks = ds["wall"]["startup_marks_s"]
