@@ -108,15 +108,15 @@ def untouched(module: torch.nn.Module):
     module.zero_grad(set_to_none=True)
 
 
-def replica_flops(module: torch.nn.Module, batch, batch_size: int, replicas: int,
+def replica_flops(module: torch.nn.Module, batch, batch_size: int, n_replicas: int,
                   step) -> int:
-    """FLOPs of one micro-batch that DataParallel spreads over `replicas` GPUs.
+    """FLOPs of one micro-batch that DataParallel spreads over `n_replicas` GPUs.
 
     Its replicas run in threads, and a FlopCounterMode is thread-local: counted around
     DataParallel it sees none of their work. So one replica's share runs eagerly on the plain
     module (`step(module, part)`: forward, loss, backward) and the count is scaled to the
     batch, leaving no trace (`untouched`)."""
-    n = -(-batch_size // replicas)
+    n = -(-batch_size // n_replicas)
     with untouched(module), FlopCount() as counter:
         step(module, _head(batch, n))
     return counter.total * batch_size // n

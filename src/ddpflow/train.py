@@ -284,9 +284,10 @@ class Trainer:
             self.interval[1] += self.clock.lap("data_wait")  # host time blocked on the batch
             last = micro == self.accum - 1 or not hasattr(model, "no_sync")
             counting = self.flops_per_micro is None
-            if counting and replicas(model) > 1:  # DataParallel's threads: counted apart
+            n_replicas = replicas(model) if counting else 1
+            if n_replicas > 1:  # DataParallel's threads: counted apart
                 self.flops_per_micro = replica_flops(unwrap(model), batch, self.batch_size,
-                                                     replicas(model), self.micro_step)
+                                                     n_replicas, self.micro_step)
             counter = FlopCount() if self.flops_per_micro is None else nullcontext()
             # the counted micro-batch runs on the uncompiled model: Dynamo does not compile a
             # frame while a dispatch mode (the FLOP counter) is active
