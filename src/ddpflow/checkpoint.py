@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .checksum import sha256_of, verify  # noqa: F401 - checkpoint.verify/sha256_of
+
 PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
@@ -141,25 +143,6 @@ class BackgroundWriter:
         if self.error is not None:
             err, self.error = self.error, None
             raise err
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify(path: Path) -> str | None:
-    """None if the file matches its recorded SHA-256, else the reason it does not."""
-    side = Path(str(path) + ".sha256")
-    if not side.is_file():
-        return "no checksum file (the write did not finish)"
-    expected = side.read_text().split()[0] if side.read_text().strip() else ""
-    if sha256_of(path) != expected:
-        return "checksum mismatch (truncated or corrupt)"
-    return None
 
 
 def load(path: Path, map_location="cpu") -> dict:

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from . import __version__, plots
-from .checkpoint import sha256_of
+from .checksum import sha256_of
 from .config import Config
 from .container import git_revision
 from .data.prepared import write_json_atomic

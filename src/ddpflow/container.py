@@ -139,7 +139,7 @@ def _build_apptainer(cfg: Config, context: Path, out: Path, record: dict) -> dic
         subprocess.run(["apptainer", "build", "--force", str(sif.with_suffix(".sif.tmp")),
                         f"docker-daemon://{cfg.container.image}"], check=True)
     os.replace(sif.with_suffix(".sif.tmp"), sif)  # never a half-built image under its name
-    from .checkpoint import sha256_of
+    from .checksum import sha256_of
 
     record.update(engine="apptainer", sif=str(sif), source=uri or "Dockerfile",
                   sif_sha256=sha256_of(sif))

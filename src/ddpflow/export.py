@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .checkpoint import sha256_of
+from .checksum import sha256_of
 from .config import Config
 from .data import crops, prepared
 from .data.prepare import check_settings

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import sha256_of
+from .checksum import sha256_of
 from .errors import UserError
 from .inference import decode, image_files, preprocess
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import sha256_of
+from .checksum import sha256_of
 from .config import Config, code_fingerprint
 from .data import prepared
 from .errors import UserError

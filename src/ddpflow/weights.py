@@ -14,16 +14,20 @@ Two ways in, with two rules:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from . import checkpoint
 from .errors import UserError, short
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+# torch and checkpoint are imported where they are used: pretrained_file() is also asked by
+# collect and provenance, which only read files
 
 
 def hub_file(model_name: str, spec: str) -> Path:
     """The torch hub cache file of a torchvision weights enum (DEFAULT, IMAGENET1K_V1 ...)."""
+    import torch
     import torchvision
 
     try:
@@ -75,6 +79,8 @@ def read_state_dict(path: Path, setting: str) -> dict[str, torch.Tensor]:
             raise UserError(f"{setting}: {path} cannot be read as safetensors "
                             f"({type(e).__name__}: {str(e)[:160]})") from None
     else:
+        from . import checkpoint
+
         sd = checkpoint.load_weights(path, setting)
     if sd and all(k.startswith("module.") for k in sd):
         sd = {k[len("module."):]: v for k, v in sd.items()}
@@ -129,6 +135,8 @@ def start_weights(cfg, st, model: nn.Module, src: Path | None, say) -> dict | No
         if not src.is_file():
             raise UserError(f"{setting} does not exist; run the earlier stage first or fix "
                             f"the path")
+        from . import checkpoint
+
         weights = checkpoint.load_weights(src, setting)
         checkpoint.check_fits(model, weights, setting)
         model.load_state_dict(weights)

@@ -1,0 +1,29 @@
+"""A file's SHA-256 and the check against the `<file>.sha256` written beside it.
+
+Apart from checkpoint.py so that what only reads and compares files (collect, provenance,
+the image's inputs) does not import torch: a few seconds per workflow job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(path: Path) -> str | None:
+    """None if the file matches its recorded SHA-256, else the reason it does not."""
+    side = Path(str(path) + ".sha256")
+    if not side.is_file():
+        return "no checksum file (the write did not finish)"
+    expected = side.read_text().split()[0] if side.read_text().strip() else ""
+    if sha256_of(path) != expected:
+        return "checksum mismatch (truncated or corrupt)"
+    return None
