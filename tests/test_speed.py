@@ -90,26 +90,25 @@ def test_deferred_dynamo_import_trains_and_hands_over():
     assert "real disable torch._dynamo.decorators" in lines
 
 
+def _python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
 def test_jobs_that_only_read_files_do_not_import_torch(tmp_path):
     """collect, a sweep's leaderboard, the image job and preparing a built-in source only read
     and write files: each would pay `import torch` (4-5 s here) per workflow job."""
-    code = ("import sys\n"
-            "import ddpflow.cli, ddpflow.collect, ddpflow.leaderboard, ddpflow.container\n"
-            "import ddpflow.provenance, ddpflow.data.prepare\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "[]"
+    assert _python("import sys\n"
+                   "import ddpflow.cli, ddpflow.collect, ddpflow.leaderboard, ddpflow.container\n"
+                   "import ddpflow.provenance, ddpflow.data.prepare\n"
+                   "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n") == "[]"
     # and for real: preparing the synthetic source stays torch-free
     cfg = write_config(tmp_path, tiny_config(tmp_path))
-    run = ("import sys, runpy\n"
-           f"sys.argv = ['ddpflow', 'prepare', '--config', {str(cfg)!r}]\n"
-           "try:\n    runpy.run_module('ddpflow', run_name='__main__')\n"
-           "except SystemExit as e:\n    assert not e.code, e.code\n"
-           "print('torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", run], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert _python("import sys, runpy\n"
+                   f"sys.argv = ['ddpflow', 'prepare', '--config', {str(cfg)!r}]\n"
+                   "try:\n    runpy.run_module('ddpflow', run_name='__main__')\n"
+                   "except SystemExit as e:\n    assert not e.code, e.code\n"
+                   "print('torch' in sys.modules)\n") == "False"
     assert (tmp_path / "results/t/data/meta.json").is_file()
