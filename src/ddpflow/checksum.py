@@ -23,7 +23,7 @@ def verify(path: Path) -> str | None:
     side = Path(str(path) + ".sha256")
     if not side.is_file():
         return "no checksum file (the write did not finish)"
-    expected = side.read_text().split()[0] if side.read_text().strip() else ""
-    if sha256_of(path) != expected:
+    recorded = side.read_text().split()  # "<sha256>  <name>"; empty if cut short
+    if not recorded or sha256_of(path) != recorded[0]:
         return "checksum mismatch (truncated or corrupt)"
     return None
