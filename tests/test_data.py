@@ -413,3 +413,29 @@ def test_a_full_disk_is_one_message_and_leaves_nothing(tmp_path):
         assert not list((disk / "t").glob(".data.partial*")) and not (disk / "t/data").exists()
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_sigterm_during_prepare_says_so_and_keeps_nothing_half_written(tmp_path):
+    """SIGTERM (Slurm's scancel, Snakemake stopping its jobs, `kill`) in the middle of a build:
+    one message, exit 143, no partial folder; the same command then prepares."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    raw = tiny_config(tmp_path, data={"train_size": 20000, "image_size": 32})  # about 4 s
+    path = write_config(tmp_path, raw)
+    proc = subprocess.Popen([sys.executable, "-m", "ddpflow", "prepare", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "results/t"
+    deadline = time.time() + 120
+    while not list(run.glob(".data.partial*/train_images.npy")) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert not list(run.glob(".data.partial*")) and not (run / "data").exists()
+    ddpflow("prepare", "--config", path, check=True)
+    assert prepared.read_meta(run / "data")["counts"]["train"]["total"] == 20000

@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
 from . import __version__
 from .config import from_dict, load_config
-from .errors import UserError
+from .errors import Stopped, UserError
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -135,8 +137,23 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 def _prepare(cfg, force=False, verify=False) -> None:
     from .data.prepare import describe, prepare
 
-    meta, did = prepare(cfg, force=force, verify=verify)
+    with _stop_raises():  # a stopped build removes its partial folder, as on Ctrl-C
+        meta, did = prepare(cfg, force=force, verify=verify)
     print(describe(meta, cfg.data_dir, did))
+
+
+@contextmanager
+def _stop_raises():
+    """SIGTERM raises Stopped inside the block (otherwise it ends the process at once, with
+    no message and no clean-up)."""
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _resolved(path: str):
@@ -323,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ddpflow: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+    except Stopped as e:
+        print(f"ddpflow: stopped by {signal.Signals(e.signum).name}; nothing half-written was "
+              f"kept: run the same command again", file=sys.stderr)
+        return 128 + e.signum
 
 
 def entry() -> int:

@@ -11,6 +11,15 @@ class UserError(Exception):
     exit_code = 2
 
 
+class Stopped(BaseException):
+    """SIGTERM (what Slurm, Snakemake and `kill` send) during a one-process command, raised
+    from its handler so that the command cleans up as it does for Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def short(value, limit: int = 80) -> str:
     """repr() capped: a message never prints a whole huge value."""
     text = repr(value)
