@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +101,14 @@ class Task:
 class PerSampleLoss(Task):
     def loss(self, outputs, batch):
         return (outputs - batch[1]) ** 2  # not reduced: a mistake
+
+
+class SlowRankLoss(Task):
+    def loss(self, outputs, batch):
+        import os, time
+        if os.environ["RANK"] != "0":  # the other rank lags far behind rank 0's mistake
+            time.sleep(120)
+        return (outputs - batch[1]) ** 2
 '''
 
 
@@ -116,6 +126,18 @@ def user_project(root: Path) -> Path:
     (code / "netlib.py").write_text(NETLIB)
     (code / "userdata.py").write_text(USERDATA)
     return code
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains text."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(pid))
+        except OSError:  # ended meanwhile
+            pass
+    return found
 
 
 def prepared(root: Path, cfg: dict) -> Path:
@@ -383,6 +405,18 @@ def test_a_loss_that_is_not_a_scalar_stops_the_rank_without_restarts(tmp_path):
         in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not stage_dir(tmp_path, "fit").joinpath("summary.json").exists()
+
+    # one rank's mistake while another lags (busy machine, stuck in a collective): the
+    # launcher stops every rank (torchrun starts each in a session of its own), so none
+    # outlives it holding the job's output open
+    cfg["task"] = {"name": "userdata:SlowRankLoss"}
+    write_config(tmp_path, cfg)
+    t0 = time.monotonic()
+    proc = ddpflow("launch", "--config", p, "--stage", "fit", timeout=100)
+    assert proc.returncode == 2 and "not a scalar" in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    resolved = str(stage_dir(tmp_path, "fit") / "config.json")
+    assert not processes_naming(resolved)
 
     # the built-in regression task on the same data: MSE/MAE, best by val_loss (min)
     cfg["task"] = "regression"

@@ -43,6 +43,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def _stop_all(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every rank it started. torchrun starts each rank in a session of
+    its own, so killing torchrun's group alone leaves its ranks running, orphaned: a rank
+    that lags, or one torchrun just restarted, then waits on a peer or a store that is gone
+    (until the collective timeout) and holds the job's output open."""
+    try:
+        os.killpg(proc.pid, signal.SIGSTOP)  # no restart while its ranks are listed
+    except ProcessLookupError:
+        return
+    for pid in _children(proc.pid):
+        for kill in (os.killpg, os.kill):  # the rank's session (its DataLoader workers too),
+            try:                           # or the rank alone if it has none yet
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    _kill_group(proc)
+
+
 def _child_setup() -> None:
     # runs in the torchrun process before exec: its own process group, no death from
     # SIGUSR1 (torchrun has no handler for it; a scheduler may signal every process of the
@@ -157,4 +175,4 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
         if watch is not None and watch.is_file():
             seen = seen or time.monotonic()
             if time.monotonic() - seen > 3.0:  # the others had time to report too
-                _kill_group(proc)
+                _stop_all(proc)
