@@ -8,7 +8,10 @@ import json
 import platform
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -121,3 +124,32 @@ def test_interrupted_run_is_summarised_with_notes(run, tmp_path):
     assert "NOT FINISHED" in (res / "wf/summary/report.html").read_text()
 
 
+
+
+def test_sigterm_during_collect_keeps_no_stale_report(run, tmp_path):
+    """A collect stopped part-way (scancel, Snakemake stopping its jobs, `kill`) leaves no
+    report from the last collect beside half of the new one; the same command then writes
+    all of it."""
+    res = tmp_path / "results"
+    shutil.copytree(run / "results", res)
+    cfg = json.loads((run / "results/wf/workflow_config.json").read_text())
+    cfg["results_dir"] = str(res)
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    out = res / "wf/summary"
+    proc = subprocess.Popen([sys.executable, "-m", "ddpflow", "collect", "--config",
+                             str(tmp_path / "c.json")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120  # until the old report is gone and the first plot is new
+    while ((out / "summary.json").exists() or not (out / "loss_accuracy.png").exists()) \
+            and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert not [p.name for p in out.iterdir() if p.is_file()]  # no part of either report
+    ddpflow("collect", "--config", tmp_path / "c.json", check=True)
+    for name in ("summary.json", "summary.csv", "report.html", "headline.txt",
+                 "manifest.json", "loss_accuracy.png", "throughput.png"):
+        assert (out / name).is_file(), name

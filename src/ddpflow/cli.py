@@ -278,7 +278,8 @@ def run(argv: list[str] | None = None) -> int:
     if args.command == "collect":
         from .collect import collect
 
-        collect(cfg)
+        with _stop_raises():  # a stopped collect keeps none of its part-written report
+            collect(cfg)
         print((cfg.run_dir / "summary" / "headline.txt").read_text(), end="")
         return 0
     if args.command == "image":

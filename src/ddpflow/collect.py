@@ -25,7 +25,7 @@ from . import __version__, plots
 from .checksum import sha256_of
 from .config import Config
 from .container import git_revision
-from .data.prepared import write_json_atomic
+from .data.prepared import write_json_atomic, write_text_atomic
 from .errors import UserError
 from .metrics import read_records
 from .mlflowrun import finish_workflow_run
@@ -158,6 +158,25 @@ def collect(cfg: Config, repo: Path | None = None) -> dict:
                         f"run in the config, or run the workflow first")
     out = cfg.run_dir / "summary"
     out.mkdir(parents=True, exist_ok=True)
+    # the last collect's report goes first: a collect stopped part-way (a signal, a full
+    # disk) leaves files missing, never a stale report beside fresh tables
+    _remove_outputs(out)
+    try:
+        return _collect(cfg, out, repo)
+    except BaseException:  # SIGTERM (cli raises Stopped), Ctrl-C, an error: keep no part
+        _remove_outputs(out)
+        raise
+
+
+OUTPUTS = ("summary.json", "summary.csv", "report.html", "headline.txt", "manifest.json")
+
+
+def _remove_outputs(out: Path) -> None:
+    for path in [*(out / n for n in OUTPUTS), *out.glob("*.png")]:
+        path.unlink(missing_ok=True)
+
+
+def _collect(cfg: Config, out: Path, repo: Path | None) -> dict:
     pairs = [stage_row(cfg, st.name) for st in cfg.stages]
     rows = [r for r, _ in pairs]
     stage_records = [(st.name, recs) for st, (_, recs) in zip(cfg.stages, pairs)]
@@ -185,12 +204,11 @@ def collect(cfg: Config, repo: Path | None = None) -> dict:
     w = csv.DictWriter(buf, fieldnames=COLUMNS + metric_columns, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
-    (out / "summary.csv").write_text(buf.getvalue())
-    write_json_atomic(out / "summary.json", summary)
-    (out / "report.html").write_text(render(cfg, summary, man, figures, metric))
-    (out / "headline.txt").write_text(headline(cfg, rows, evaluation))
-    finish_workflow_run(cfg, [out / n for n in ("report.html", "summary.csv", "summary.json",
-                                                "manifest.json", "headline.txt")]
+    write_text_atomic(out / "summary.csv", buf.getvalue())
+    write_text_atomic(out / "report.html", render(cfg, summary, man, figures, metric))
+    write_text_atomic(out / "headline.txt", headline(cfg, rows, evaluation))
+    write_json_atomic(out / "summary.json", summary)  # last: it says the collect finished
+    finish_workflow_run(cfg, [out / n for n in OUTPUTS]
                         + sorted(out.glob("*.png")) + folders)  # tracking.mlflow: the report
     return summary
 
