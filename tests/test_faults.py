@@ -289,3 +289,28 @@ def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypa
     assert (resolved.parent / "nodes" / socket.gethostname()).is_file()  # the roll call
     s = json.loads((tmp_path / "results/t/stages/s1/summary.json").read_text())
     assert s["world_size"] == 2 and s["weights_in_sync"] and s["steps"] == 10
+
+
+def test_a_killed_torchrun_leaves_no_rank_training(tmp_path):
+    """torchrun SIGKILLed (the OOM killer, a stray kill): its ranks live in sessions of their
+    own, so they would train on, orphaned, and write into the stage folder after the
+    launcher released its lock. The launcher stops them and says the stage failed; the
+    checkpoints stay for a rerun."""
+    p = setup_run(tmp_path)
+    proc = start(p)
+    wait_for(lambda: ckpt_steps(tmp_path) and ckpt_steps(tmp_path)[-1] >= EVERY)
+    workers = ranks(proc)
+    torchrun = psutil.Process(proc.pid).children()  # the launcher's one child
+    assert len(torchrun) == 1 and len(workers) == 2
+    torchrun[0].kill()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode not in (0, 75), err[-3000:]
+    assert "stage 's1' failed" in err and "a rerun resumes" in err, err[-3000:]
+    left = []
+    for r in workers:
+        try:
+            left += [r.pid] if r.status() != psutil.STATUS_ZOMBIE else []
+        except psutil.NoSuchProcess:
+            pass
+    assert not left
+    assert ckpt_steps(tmp_path) and not (tmp_path / "results/t/stages/s1/final.pt").exists()

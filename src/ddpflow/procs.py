@@ -4,7 +4,9 @@ ranks themselves, and the group stopped when a rank reports a user mistake.
 torchrun starts each rank in a session of its own, and when a SIGTERM reaches torchrun it
 kills its ranks 30 s later. So a stop signal goes to the ranks directly (they checkpoint at
 their next check and exit 0; torchrun then ends by itself), also to ranks that torchrun
-restarts after it.
+restarts after it. For the same reason, killing torchrun does not stop its ranks: the
+launcher stops them itself (a rank's mistake: _stop_all; torchrun killed by someone else:
+the ranks are handed to the launcher, a child subreaper, and _stop_orphans ends them).
 """
 
 from __future__ import annotations
@@ -59,6 +61,40 @@ def _stop_all(proc: subprocess.Popen) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
     _kill_group(proc)
+
+
+def _adopt_orphans() -> None:
+    """Make this launcher a child subreaper: ranks that outlive their torchrun (killed: each
+    rank lives in a session of its own) become its children, not init's (_stop_orphans)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    except OSError:
+        pass
+
+
+def _stop_orphans(marker: str) -> None:
+    """After torchrun ended: SIGKILL (and reap) the ranks it left, and their DataLoader
+    workers: the children of this launcher whose command line holds marker (the resolved
+    config's path). Left alone, they would train on and write into the stage folder after
+    the launcher has released its lock."""
+    for pid in _children(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+        except OSError:
+            continue
+        for kill in (os.killpg, os.kill):  # a rank's session (its workers), or one process
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
 
 
 def _child_setup() -> None:
@@ -156,6 +192,7 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
                 pass
 
     told_srun = [-1e9]
+    _adopt_orphans()
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
     if agent is not None and agent.pipe is not None and cmd[:len(TORCHRUN)] == TORCHRUN:
@@ -167,7 +204,8 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
     seen = None
     while True:
         try:
-            return proc.wait(timeout=0.5), got["signal"]
+            rc = proc.wait(timeout=0.5)
+            break
         except subprocess.TimeoutExpired:
             pass
         if got["signal"]:  # ranks torchrun restarted after the signal are told as well
@@ -176,3 +214,6 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
             seen = seen or time.monotonic()
             if time.monotonic() - seen > 3.0:  # the others had time to report too
                 _stop_all(proc)
+    if "--resolved" in cmd:  # torchrun killed: ranks it could not stop are still running
+        _stop_orphans(str(cmd[cmd.index("--resolved") + 1]))
+    return rc, got["signal"]
