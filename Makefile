@@ -10,7 +10,8 @@ STAMP := $(VENV)/.ddpflow-installed
 CORES ?= all
 # tests run in 2 processes, a test file per process at a time (--dist loadfile): the suite
 # spends much of its time waiting (process start-up, Snakemake, Slurm, Docker), and a file's
-# tests share its fixtures and its external service (test_slurm.py: the cluster)
+# tests share its fixtures and its external service (test_slurm.py: the cluster); the
+# longest files start first (tests/conftest.py)
 TEST_JOBS ?= 2
 
 .PHONY: run test install lint test-env bench clean
@@ -36,7 +37,7 @@ test-env:
 	bash tests/setup/system.sh
 
 test: $(STAMP) test-env lint
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) bench/ddp_scaling.py
