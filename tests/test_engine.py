@@ -107,7 +107,7 @@ class SlowRankLoss(Task):
     def loss(self, outputs, batch):
         import os, time
         if os.environ["RANK"] != "0":  # the other rank lags far behind rank 0's mistake
-            time.sleep(120)
+            time.sleep(300)
         return (outputs - batch[1]) ** 2
 '''
 
@@ -412,9 +412,9 @@ def test_a_loss_that_is_not_a_scalar_stops_the_rank_without_restarts(tmp_path):
     cfg["task"] = {"name": "userdata:SlowRankLoss"}
     write_config(tmp_path, cfg)
     t0 = time.monotonic()
-    proc = ddpflow("launch", "--config", p, "--stage", "fit", timeout=100)
+    proc = ddpflow("launch", "--config", p, "--stage", "fit", timeout=200)
     assert proc.returncode == 2 and "not a scalar" in proc.stderr, proc.stderr[-2000:]
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 150  # not the lagging rank's 300 s
     resolved = str(stage_dir(tmp_path, "fit") / "config.json")
     assert not processes_naming(resolved)
 

@@ -230,7 +230,7 @@ def test_hung_rank_fails_within_the_timeout(tmp_path):
     # the collective's own timeout ended it: gloo's report, within timeout_s plus torchrun's
     # teardown (it waits 30 s for the stopped rank before killing it)
     assert "Timed out" in err or "timed out" in err, err[-3000:]
-    assert time.time() - t0 < 10 + 45
+    assert time.time() - t0 < 10 + 30 + 40  # slack for a machine busy with another test
     assert "failed" in err and ckpt_steps(tmp_path)  # checkpoints are kept
 
 

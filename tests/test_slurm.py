@@ -274,7 +274,9 @@ def test_a_node_that_cannot_reach_the_rendezvous_is_named(tmp_path):
     assert "within hardware.timeout_s (10 s): ddpn2" in log, log[-3000:]
     assert "node ddpn2 could not reach the rendezvous at ddpn1:29431" in log, log[-3000:]
     assert "Traceback" not in log.split("could not reach")[-1], log[-3000:]
-    assert took < 10 + 60, took  # the timeout plus Slurm's and torchrun's start and teardown
+    # the timeout plus Slurm's and torchrun's start and teardown (two torch imports per node,
+    # slower on a machine busy with another test): far below a collective's default 30 min
+    assert took < 10 + 110, took
     stage = tmp_path / "results/wf/stages/a"
     assert not (stage / "summary.json").exists() and not (stage / "final.pt").exists()
 
