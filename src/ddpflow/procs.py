@@ -55,12 +55,18 @@ def _stop_all(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         return
     for pid in _children(proc.pid):
-        for kill in (os.killpg, os.kill):  # the rank's session (its DataLoader workers too),
-            try:                           # or the rank alone if it has none yet
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        _kill_session(pid)
     _kill_group(proc)
+
+
+def _kill_session(pid: int) -> None:
+    """SIGKILL a rank and its session (its DataLoader workers), or the one process when it
+    leads no session (a rank not yet in its own, or an orphaned worker)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _adopt_orphans() -> None:
@@ -86,11 +92,7 @@ def _stop_orphans(marker: str) -> None:
                     continue
         except OSError:
             continue
-        for kill in (os.killpg, os.kill):  # a rank's session (its workers), or one process
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        _kill_session(pid)
         try:
             os.waitpid(pid, 0)
         except ChildProcessError:
