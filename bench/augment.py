@@ -29,7 +29,7 @@ from ddpflow.data import prepared
 from ddpflow.data.loaders import Normalize, TrainBatches, forever
 from ddpflow.data.mixing import Recipe
 from ddpflow.data.prepare import prepare
-from ddpflow.models import build_model
+from ddpflow.seams.models import build_model
 
 
 def main() -> None:

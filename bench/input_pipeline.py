@@ -28,7 +28,7 @@ from ddpflow.config import from_dict
 from ddpflow.data import prepared
 from ddpflow.data.loaders import Normalize, TrainBatches, forever
 from ddpflow.data.prepare import prepare
-from ddpflow.models import build_model
+from ddpflow.seams.models import build_model
 
 
 def timed(model, opt, batches, steps, precision):

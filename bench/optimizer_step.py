@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ddpflow.models import build_model
+from ddpflow.seams.models import build_model
 
 IMPLS = {"per-tensor": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

@@ -68,7 +68,7 @@ def allreduce(sizes: list[int], ranks: int) -> list[dict]:
 
 
 def checkpoint_cost(sizes: list[int], folder: Path) -> list[dict]:
-    from ddpflow.checkpoint import HostCopy, save_file
+    from ddpflow.engine.checkpoint import HostCopy, save_file
 
     rows = []
     for n in sizes:

@@ -38,8 +38,8 @@ from ddpflow.config import from_dict
 from ddpflow.data import prepared
 from ddpflow.data.loaders import Normalize, TrainBatches, forever
 from ddpflow.data.prepare import prepare
-from ddpflow.models import build_model
-from ddpflow.runtime import build_optimizer
+from ddpflow.engine.runtime import build_optimizer
+from ddpflow.seams.models import build_model
 
 BATCH, WARMUP = 64, 10
 

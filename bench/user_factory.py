@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpflow.models import SmallCNN
+from ddpflow.seams.models import SmallCNN
 
 
 class Arrays(Dataset):

@@ -15,7 +15,7 @@ import yaml
 
 from conftest import REPO, ddpflow, tiny_config, write_config
 from ddpflow.config import apply_overrides, from_dict, load_config
-from ddpflow.errors import UserError
+from ddpflow.core.errors import UserError
 
 
 def assert_clean_failure(proc, *needles, results: Path | None = None, code: int = 2):
@@ -260,7 +260,7 @@ def test_rank_command_outside_torchrun(tmp_path):
 
 def test_gpu_counts_and_ids_on_a_gpu_node(tmp_path, monkeypatch):
     """The GPU arithmetic of a node, with the visible GPU count patched (no GPU here)."""
-    from ddpflow import launch
+    from ddpflow.launch import launcher as launch
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")  # an outer selection
@@ -282,7 +282,7 @@ def test_gpu_counts_and_ids_on_a_gpu_node(tmp_path, monkeypatch):
 
 
 def test_lr_scaling_rules():
-    from ddpflow.runtime import lr_factor
+    from ddpflow.engine.runtime import lr_factor
 
     assert lr_factor("sqrt", 64, 256) == pytest.approx(0.5)
     assert lr_factor("linear", 512, 256) == 2.0 and lr_factor("none", 512, 256) == 1.0

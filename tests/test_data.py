@@ -12,13 +12,13 @@ import torch
 
 from conftest import ddpflow, tiny_config, write_config
 from ddpflow.config import from_dict
+from ddpflow.core.errors import UserError
 from ddpflow.data import prepared
 from ddpflow.data.archives import read_cifar
 from ddpflow.data.loaders import Normalize, TrainBatches
 from ddpflow.data.mixing import Recipe
 from ddpflow.data.prepare import prepare
 from ddpflow.data.splits import hold_out
-from ddpflow.errors import UserError
 from fixtures import cifar_archive, idx_files, image_tree
 
 
@@ -360,7 +360,7 @@ def test_imagefolder_caps_one_class_and_empty_val(tmp_path):
 def test_arrays_changed_in_place_are_noticed(tmp_path):
     import os
 
-    from ddpflow.launch import preflight
+    from ddpflow.launch.launcher import preflight
 
     raw = tiny_config(tmp_path)
     prepare_ok(tmp_path, raw)

@@ -285,7 +285,7 @@ def test_weights_files_of_every_kind_read_the_same(tmp_path):
     the same state dict; shapes that differ are re-initialised, not loaded."""
     from safetensors.torch import save_file
 
-    from ddpflow.weights import load_pretrained, read_state_dict
+    from ddpflow.engine.weights import load_pretrained, read_state_dict
 
     torch.manual_seed(0)
     src = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
@@ -310,7 +310,7 @@ def test_weights_files_of_every_kind_read_the_same(tmp_path):
 def test_builtin_tasks_score_what_they_say():
     from types import SimpleNamespace
 
-    from ddpflow.tasks import Classification, Regression, build_task, monitor
+    from ddpflow.seams.tasks import Classification, Regression, build_task, monitor
 
     logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 2.0]])
     y = torch.tensor([0, 2, 1])
@@ -492,7 +492,7 @@ def test_materialize_copies_a_user_image_dataset_into_the_prepared_format(tmp_pa
 
 def test_seam_settings_are_checked_by_the_schema():
     from ddpflow.config import from_dict
-    from ddpflow.errors import UserError
+    from ddpflow.core.errors import UserError
 
     cases = [({"task": {"monitor": "acc"}}, "task.monitor: 'acc' is not a validation metric"),
              ({"data": {"source": "python", "factory": "mydata"}},
@@ -508,8 +508,8 @@ def test_seam_settings_are_checked_by_the_schema():
 
 def test_a_code_dir_that_is_not_a_folder_names_its_setting(tmp_path):
     from ddpflow.config import from_dict
-    from ddpflow.errors import UserError
-    from ddpflow.userimport import add_code_dirs
+    from ddpflow.core.errors import UserError
+    from ddpflow.seams.userimport import add_code_dirs
 
     cfg = from_dict({"stages": [{"name": "s"}], "data": {"code_dir": str(tmp_path / "nope")}})
     with pytest.raises(UserError, match=r"^data.code_dir .*nope is not a folder"):

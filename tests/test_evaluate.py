@@ -109,7 +109,7 @@ def test_export_formats_reproduce_the_model_and_predict_agrees_with_evaluate(tra
 
     from ddpflow.config import load_config
     from ddpflow.data import prepared
-    from ddpflow.inference import stage_model
+    from ddpflow.inference.common import stage_model
 
     cfg = load_config(p)
     model, _ = stage_model(cfg, prepared.read_meta(cfg.data_dir), "s1")

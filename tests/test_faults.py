@@ -204,7 +204,7 @@ def test_sigterm_while_a_checkpoint_write_is_in_flight(tmp_path):
     assert in_flight < stopped_at < stage["max_steps"]
     assert in_flight in ckpt_steps(tmp_path) and ckpt_steps(tmp_path)[-1] == stopped_at
     assert not list(ckdir.glob(".ckpt-*.tmp*"))
-    from ddpflow import checkpoint
+    from ddpflow.engine import checkpoint
 
     assert all(checkpoint.verify(path) is None
                for _, path in checkpoint.list_checkpoints(ckdir))
@@ -259,7 +259,7 @@ def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypa
     per-node torchrun runs twice on this machine, as srun would start it on two nodes."""
     from ddpflow.config import load_config
     from ddpflow.data.prepared import write_json_atomic
-    from ddpflow.launch import plan
+    from ddpflow.launch.launcher import plan
 
     p = setup_run(tmp_path, {"name": "s1", "max_steps": 10, "batch_size": 32},
                   hardware={"nodes": 2, "nproc_per_node": 1, "threads_per_rank": 1})
@@ -277,7 +277,7 @@ def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypa
     assert "--nnodes=2" in cmd and "--rdzv-backend=c10d" in cmd and "--rdzv-id=4242" in cmd
     assert any(a.startswith("--rdzv-endpoint=localhost:") for a in cmd)
     assert "--rdzv-conf=join_timeout=600" in cmd  # hardware.timeout_s: a node's time to join
-    assert cmd[6:8] == ["-m", "ddpflow.rollcall"]  # each node answers a roll call first
+    assert cmd[6:8] == ["-m", "ddpflow.launch.rollcall"]  # each node answers a roll call first
     resolved.parent.mkdir(parents=True)
     write_json_atomic(resolved, cfg.to_dict())
     per_node = cmd[cmd.index(sys.executable):]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from conftest import REPO, ddpflow, tiny_config, write_config
-from ddpflow.efficiency import FlopCount, peak_for_name, replica_flops
+from ddpflow.engine.efficiency import FlopCount, peak_for_name, replica_flops
 
 
 @pytest.mark.parametrize("name, precision, peak", [
@@ -54,9 +54,9 @@ class _SlowScalar:
 
 
 def test_a_log_interval_reads_the_clock_after_the_sync(monkeypatch):
-    from ddpflow import train
-    from ddpflow.distributed import Dist
-    from ddpflow.runtime import StopPoll
+    from ddpflow.engine import train
+    from ddpflow.engine.distributed import Dist
+    from ddpflow.engine.runtime import StopPoll
 
     seen = {}
     monkeypatch.setattr(train, "interval_record",
@@ -182,8 +182,8 @@ def test_the_device_upload_keeps_every_row_in_order(tmp_path):
 def test_dataparallel_gets_the_cores_its_ranks_would_have_shared(tmp_path, monkeypatch):
     import os
 
-    from ddpflow import launch
     from ddpflow.config import from_dict
+    from ddpflow.launch import launcher as launch
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: 4)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
@@ -245,7 +245,7 @@ def test_doctor_matches_other_processes_to_gpus_by_uuid(monkeypatch):
     NVML and torch calls are stand-ins (no GPU here), the matching is doctor's own."""
     import types
 
-    from ddpflow import doctor
+    from ddpflow.launch import doctor
 
     uuids = {0: "aaaa", 1: "bbbb", 2: "cccc", 3: "dddd"}  # NVML (physical) order
     visible = [3, 1]
@@ -288,8 +288,8 @@ def test_a_resumed_fused_optimizer_keeps_each_parameters_layout():
     """Found with channels_last on by default: checkpoints copied to the host contiguous,
     and fused SGD then read a contiguous momentum buffer beside a channels_last weight.
     Saved in its own layout, restored into the parameter's, a resumed step is exact."""
-    from ddpflow.checkpoint import HostCopy
-    from ddpflow.saver import _match_layouts
+    from ddpflow.engine.checkpoint import HostCopy
+    from ddpflow.engine.saver import _match_layouts
 
     def run(resume_via_host: bool, contiguous_state: bool):
         torch.manual_seed(0)

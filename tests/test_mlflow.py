@@ -152,8 +152,8 @@ def test_sweep_trials_nest_under_the_sweeps_run(tmp_path, monkeypatch):
     share the sweep's one run; the leaderboard finishes it."""
     from mlflow.tracking import MlflowClient
 
-    from ddpflow import mlflowrun
     from ddpflow.config import from_dict
+    from ddpflow.tracking import mlflowrun
 
     monkeypatch.chdir(tmp_path)  # a SQLite store keeps artifacts in ./mlruns
     db = f"sqlite:///{tmp_path}/mlflow.db"

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import ddpflow, tiny_config, write_config
-from ddpflow import earlystop
 from ddpflow.config import from_dict
+from ddpflow.core.errors import UserError
 from ddpflow.data.mixing import Recipe, mix, progressive_sizes, random_erase, resize
-from ddpflow.errors import UserError
+from ddpflow.engine import earlystop
 
 
 def test_erasing_mixup_and_cutmix_on_a_batch():

@@ -12,10 +12,10 @@ import torch
 
 from conftest import ddpflow, tiny_config, write_config
 from ddpflow.config import from_dict
+from ddpflow.core.errors import UserError
 from ddpflow.data import prepared, shards
 from ddpflow.data.loaders import Normalize, TrainBatches
 from ddpflow.data.prepare import prepare
-from ddpflow.errors import UserError
 from fixtures import image_tree
 
 

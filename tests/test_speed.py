@@ -10,7 +10,7 @@ import sys
 import time
 
 from conftest import REPO, ddpflow, tiny_config, write_config
-from ddpflow import checkpoint
+from ddpflow.engine import checkpoint
 
 
 def test_wall_split_adds_up_and_epoch_cadence(tmp_path):

@@ -45,7 +45,7 @@ def test_two_ranks_train_in_sync_on_disjoint_halves(tmp_path):
     ddpflow("launch", "--config", p, "--stage", "s1", check=True,
             env={"DDPFLOW_SAMPLE_TRACE": str(trace)})
     s = summary(tmp_path, "s1")
-    from ddpflow.runtime import cpu_has_fast_bf16
+    from ddpflow.engine.runtime import cpu_has_fast_bf16
 
     assert s["world_size"] == 2 and s["backend"] == "gloo"
     assert s["precision"] == ("bf16" if cpu_has_fast_bf16() else "fp32")  # precision: auto
@@ -153,9 +153,9 @@ def test_fp16_overflow_skips_the_steps_and_leaves_the_weights(tmp_path, monkeypa
     is recorded, and the parameters stay exactly the starting weights (in-process, 1 rank)."""
     import functools
 
-    from ddpflow import train
     from ddpflow.config import load_config
-    from ddpflow.models import build_model
+    from ddpflow.engine import train
+    from ddpflow.seams.models import build_model
 
     init = tmp_path / "init.pt"
     torch.manual_seed(3)

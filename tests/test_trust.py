@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO, ddpflow, tiny_config, write_config
-from ddpflow import locks
+from ddpflow.core import locks
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def test_stale_results_are_never_trusted(tmp_path):
 
 
 def test_checkpoints_of_other_starting_weights_are_set_aside(tmp_path):
-    from ddpflow.models import build_model
+    from ddpflow.seams.models import build_model
 
     weights = tmp_path / "w.pt"
     torch.manual_seed(1)
@@ -95,9 +95,10 @@ def test_checkpoints_of_other_starting_weights_are_set_aside(tmp_path):
 
 
 def test_other_code_makes_a_result_stale(tmp_path, monkeypatch):
-    from ddpflow import config, provenance
-    from ddpflow.checkpoint import latest_valid
+    from ddpflow import config
     from ddpflow.config import load_config
+    from ddpflow.engine.checkpoint import latest_valid
+    from ddpflow.results import provenance
 
     p = setup(tmp_path, [TWO[0]])
     ddpflow("launch", "--config", p, "--stage", "a", "--halt-after-steps", "2")
@@ -151,10 +152,10 @@ def test_a_stop_at_the_last_step_still_validates(tmp_path):
 
 
 def test_user_mistakes_before_and_inside_ranks(tmp_path, monkeypatch, capfd):
-    from ddpflow import launch
     from ddpflow.config import load_config
-    from ddpflow.errors import UserError
-    from ddpflow.models import build_model
+    from ddpflow.core.errors import UserError
+    from ddpflow.launch import launcher as launch
+    from ddpflow.seams.models import build_model
 
     p = setup(tmp_path, [TWO[0]])
     ddpflow("launch", "--config", p, "--stage", "a", check=True)
@@ -286,8 +287,8 @@ def test_tune_ends_on_a_small_set_and_is_not_reused_for_other_settings(tmp_path)
 
 def test_preflight_refuses_a_batch_larger_than_the_data_and_too_small_images(tmp_path):
     from ddpflow.config import load_config
-    from ddpflow.errors import UserError
-    from ddpflow.launch import preflight
+    from ddpflow.core.errors import UserError
+    from ddpflow.launch.launcher import preflight
 
     p = setup(tmp_path, [TWO[0]])
     with pytest.raises(UserError, match=r"batch_size 1000 x 2 rank\(s\) x 1 accumulation = "

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from conftest import ddpflow, tiny_config, write_config
-from ddpflow.stepmemory import find_max_batch
+from ddpflow.engine.stepmemory import find_max_batch
 
 
 @pytest.mark.parametrize("cap", [1, 3, 5, 37, 100, 256, 257, 511, 4096])
@@ -92,10 +92,10 @@ def test_a_capped_rank_never_tries_what_does_not_fit(tmp_path):
     import numpy as np
     import torch
 
-    from ddpflow import distributed, tune
     from ddpflow.config import load_config
     from ddpflow.data import prepared
-    from ddpflow.models import build_model
+    from ddpflow.engine import distributed, tune
+    from ddpflow.seams.models import build_model
 
     cfg = tiny_config(tmp_path, data={"train_size": 4096, "val_size": 256, "test_size": 0},
                       tune={"steps": 1, "start_batch": 16, "max_batch": 128},

@@ -1,3 +1,3 @@
-from .cli import entry
+from ddpflow.cli import entry
 
 raise SystemExit(entry())

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import yaml
 
-from . import __version__
-from .config import from_dict, load_config
-from .errors import Stopped, UserError
+from ddpflow import __version__
+from ddpflow.config import from_dict, load_config
+from ddpflow.core.errors import Stopped, UserError
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +135,7 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _prepare(cfg, force=False, verify=False) -> None:
-    from .data.prepare import describe, prepare
+    from ddpflow.data.prepare import describe, prepare
 
     with _stop_raises():  # a stopped build removes its partial folder, as on Ctrl-C
         meta, did = prepare(cfg, force=force, verify=verify)
@@ -174,25 +174,25 @@ def _resolved(path: str):
 def _rank(args) -> int:
     """One rank's work under torchrun. A user mistake found here is reported to the
     launcher (error.json) and the rank exits 0: torchrun restarts crashes, not mistakes."""
-    from . import stopflag
+    from ddpflow.engine import stopflag
 
     stopflag.install()  # before the heavy imports: a stop signal in start-up is not lost
-    from .launch import report_rank_error
+    from ddpflow.launch.launcher import report_rank_error
 
     cfg = _resolved(args.resolved)
     folder = (cfg.stage_dir(args.stage) if args.command == "train" else
               Path(args.out) if args.command == "evaluate-rank" else cfg.run_dir / "tune")
     try:
         if args.command == "evaluate-rank":
-            from .evaluate import rank_main
+            from ddpflow.inference.evaluate import rank_main
 
             rank_main(cfg, args.stage, args.split, args.images, args.weights, Path(args.out))
             return 0
         if args.command == "train":
-            from .train import main as train_main
+            from ddpflow.engine.train import main as train_main
 
             return train_main(cfg, args.stage, args.halt_after_steps)
-        from .tune import run as tune_run
+        from ddpflow.engine.tune import run as tune_run
 
         tune_run(cfg, args.stage, _caps(args.memory_cap_mb))
         return 0
@@ -206,10 +206,10 @@ def _launch(cfg, args) -> int:
     launcher's), the stage's wall time counts from this process's start."""
     from contextlib import nullcontext
 
-    from .container import IN_CONTAINER
-    from .procs import WarmAgent
-    from .slots import hold
-    from .wallclock import launch_t0
+    from ddpflow.launch.container import IN_CONTAINER
+    from ddpflow.launch.procs import WarmAgent
+    from ddpflow.launch.slots import hold
+    from ddpflow.results.wallclock import launch_t0
 
     t0 = launch_t0()
     cfg.stage(args.stage)  # an unknown stage fails before anything runs
@@ -220,7 +220,7 @@ def _launch(cfg, args) -> int:
     pooled = not args.dry_run and not os.environ.get(IN_CONTAINER)
     with (hold(cfg, cfg.stage_dir(args.stage) / "slot.json", f"{cfg.run}/{args.stage}")
           if pooled else nullcontext()), WarmAgent() if warm else nullcontext() as agent:
-        from .launch import launch
+        from ddpflow.launch.launcher import launch
 
         extra = ([f"--halt-after-steps={args.halt_after_steps}"]
                  if args.halt_after_steps is not None else [])
@@ -242,7 +242,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.command in ("train", "tune-rank", "evaluate-rank"):
         return _rank(args)
     if args.command == "predict":
-        from .predict import predict
+        from ddpflow.inference.predict import predict
 
         return predict(args.bundle, args.inputs, args.out, args.top_k, args.format,
                        args.device)
@@ -254,18 +254,18 @@ def run(argv: list[str] | None = None) -> int:
               f"them, each trial's config is results/<run>/trials/<id>/trial_config.json)",
               file=sys.stderr)
     if args.command == "doctor":
-        from .doctor import report
+        from ddpflow.launch.doctor import report
 
         print(report(cfg))
         return 0
     if args.command == "tune":
-        from .launch import tune
-        from .slots import hold
+        from ddpflow.launch.launcher import tune
+        from ddpflow.launch.slots import hold
 
         with hold(cfg, cfg.run_dir / "tune" / "slot.json", f"{cfg.run}/tune"):
             return tune(cfg, args.stage, args.memory_cap_mb)
     if args.command == "sweep":
-        from . import sweep
+        from ddpflow.sweeps import plan as sweep
 
         return sweep.command(cfg, args)
     if args.command == "validate":
@@ -276,7 +276,7 @@ def run(argv: list[str] | None = None) -> int:
         _prepare(cfg, args.force, args.verify)
         return 0
     if args.command == "collect":
-        from .collect import collect
+        from ddpflow.results.collect import collect
 
         with _stop_raises():  # a stopped collect keeps none of its part-written report
             collect(cfg)
@@ -285,7 +285,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.command == "image":
         from pathlib import Path
 
-        from .container import build
+        from ddpflow.launch.container import build
 
         out = Path(args.out) if args.out else cfg.run_dir / "image.json"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -294,17 +294,17 @@ def run(argv: list[str] | None = None) -> int:
               f"id {str(rec.get('image_id'))[:19]}")
         return 0
     if args.command == "evaluate":
-        from .evaluate import launch as evaluate
+        from ddpflow.inference.evaluate import launch as evaluate
 
         return evaluate(cfg, args.stage, args.split, args.images, args.weights, args.out,
                         args.allow_empty)
     if args.command == "export":
-        from .export import export
+        from ddpflow.inference.export import export
 
         return export(cfg, args.stage, args.out)
     if args.command == "launch":
         return _launch(cfg, args)
-    from .launch import launch
+    from ddpflow.launch.launcher import launch
 
     if args.command == "run":
         _prepare(cfg)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
+from ddpflow.core.errors import UserError
 
 # Official MD5 sums of the files inside the CIFAR "python version" archives.
 CIFAR = {

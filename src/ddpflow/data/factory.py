@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from ..errors import UserError
-from ..userimport import add_code_dirs, call, load_callable
-from .loaders import EpochSampler
+from ddpflow.core.errors import UserError
+from ddpflow.data.loaders import EpochSampler
+from ddpflow.seams.userimport import add_code_dirs, call, load_callable
 
 
 def dataset(cfg, split: str):
@@ -64,7 +64,7 @@ def check_item(ds, split: str, setting: str = "data.factory"):
     try:
         item = ds[0]
     except Exception as e:  # noqa: BLE001 - the user's __getitem__ raised
-        from ..userimport import cause
+        from ddpflow.seams.userimport import cause
 
         raise UserError(f"{setting}: reading item 0 of the '{split}' dataset failed "
                         f"({cause(e)})") from None

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
-from . import shards
-from .prepared import open_split
+from ddpflow.core.errors import UserError
+from ddpflow.data import shards
+from ddpflow.data.prepared import open_split
 
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm"}
 

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ..config import Augment
-from ..errors import UserError
-from .crops import center_crop, random_resized_crop
-from .mixing import Recipe, resize
-from .mixing import apply as apply_recipe
-from .shards import JpegImages, decode_cuda
+from ddpflow.config import Augment
+from ddpflow.core.errors import UserError
+from ddpflow.data.crops import center_crop, random_resized_crop
+from ddpflow.data.mixing import Recipe, resize
+from ddpflow.data.mixing import apply as apply_recipe
+from ddpflow.data.shards import JpegImages, decode_cuda
 
 
 class EpochSampler(DistributedSampler):

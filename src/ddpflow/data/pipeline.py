@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from . import factory, prepared
-from .loaders import Normalize, TrainBatches, choose_loader, val_batches
-from .mixing import Recipe
+from ddpflow.data import factory, prepared
+from ddpflow.data.loaders import Normalize, TrainBatches, choose_loader, val_batches
+from ddpflow.data.mixing import Recipe
 
 
 @dataclass

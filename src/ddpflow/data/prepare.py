@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from .. import locks
-from ..config import Config
-from ..errors import UserError, short
-from ..userimport import dir_fingerprint
-from . import archives, imagefolder, prepared, splits, synthetic
+from ddpflow.config import Config
+from ddpflow.core import locks
+from ddpflow.core.errors import UserError, short
+from ddpflow.data import archives, imagefolder, prepared, splits, synthetic
+from ddpflow.seams.userimport import dir_fingerprint
 
 PREPARE_KEYS = ("source", "path", "image_size", "store_size", "num_classes", "difficulty",
                 "train_size",
@@ -101,7 +101,9 @@ def _cap_items(items: list, n: int | None, seed: int) -> list:
 def _python_source(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
     """A user dataset: checked (imports, items), described in meta.json, and with
     data.materialize copied into the arrays. Returns True when there are arrays."""
-    from . import factory  # torch, only for a user dataset: the built-in sources need numpy
+    from ddpflow.data import (
+        factory,  # torch, only for a user dataset: the built-in sources need numpy
+    )
 
     sets = {split: factory.dataset(cfg, split) for split in prepared.SPLITS}
     first = {split: factory.check_item(ds, split) for split, ds in sets.items() if ds}

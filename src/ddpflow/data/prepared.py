@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UserError
-from . import shards
+from ddpflow.core.errors import UserError
+from ddpflow.data import shards
 
 FORMAT_VERSION = 2  # 2: three splits (test) and store_size
 SPLITS = ("train", "val", "test")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
+from ddpflow.core.errors import UserError
 
 SUFFIX = ".jpgs"
 STATS_SAMPLE = 10_000  # images decoded for mean/std (evenly spaced over the training split)
@@ -57,7 +57,7 @@ def decode_many(buffers: list) -> list[np.ndarray]:
     """Decode a batch on the CPU: torchvision's decode_jpeg (libjpeg-turbo without Pillow's
     per-image overhead: 1.5-2.4x faster here, the same pixels) where torchvision imports,
     else Pillow. Raises if any of them fails (the caller then decodes one by one)."""
-    from .. import lazydynamo
+    from ddpflow.core import lazydynamo
 
     lazydynamo.defer()  # `import torchvision` would import torch._dynamo (seconds) otherwise
     try:

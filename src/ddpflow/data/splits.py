@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import UserError
+from ddpflow.core.errors import UserError
 
 
 def hold_out(labels: np.ndarray, fraction: float, seed: int, what: str = "val",

@@ -1,0 +1,312 @@
+"""Load, override and validate a ddpflow config, and build the one typed object (types.py).
+
+The JSON Schema at workflow/schemas/config.schema.yaml is the single source of
+truth for keys, types, ranges and defaults; the Snakefile validates against the
+same file. `load_config` is the only entry point: it validates once and returns a
+`Config` whose `to_dict()` is saved into every checkpoint and summary.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from ddpflow.config import endpoints
+from ddpflow.config.messages import message
+from ddpflow.config.types import (
+    PACKAGE_ROOT,
+    Augment,
+    CheckpointCfg,
+    Config,
+    ContainerCfg,
+    DataCfg,
+    HardwareCfg,
+    MlflowCfg,
+    ModelCfg,
+    ProfileCfg,
+    SlotsCfg,
+    SlurmCfg,
+    StageCfg,
+    SweepCfg,
+    TaskCfg,
+    TrackingCfg,
+    TuneCfg,
+)
+from ddpflow.config.yamlfile import read_yaml
+from ddpflow.core.errors import UserError
+
+SCHEMA_PATH = PACKAGE_ROOT / "schema" / "config.schema.yaml"
+
+
+# --------------------------------------------------------------------------- validation
+_SCHEMA_CACHE: dict[str, Any] = {}
+
+
+def _schema() -> dict[str, Any]:
+    """The config schema, parsed once per process and file version (a sweep validates every
+    trial's config: parsing the YAML each time cost about 0.1 s per trial). A copy: callers
+    may not change the cached one."""
+    stamp = SCHEMA_PATH.stat().st_mtime_ns
+    if _SCHEMA_CACHE.get("stamp") != stamp:
+        with open(SCHEMA_PATH) as f:
+            _SCHEMA_CACHE.update(stamp=stamp, schema=yaml.load(f, Loader=_LOADER))
+    return copy.deepcopy(_SCHEMA_CACHE["schema"])
+
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML has it
+
+
+def _with_defaults(validator_class):
+    """A validator that fills in schema defaults while it validates (jsonschema FAQ recipe)."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+def _wants_integer(schema: dict) -> bool:
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types and "number" not in types:
+        return True
+    return any(_wants_integer(s) for s in schema.get("oneOf", []))
+
+
+def _coerce_integers(value: Any, schema: dict) -> Any:
+    """32.0 where the schema wants an integer becomes 32 (YAML and --set write floats)."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return {k: _coerce_integers(v, props[k]) if k in props else v for k, v in value.items()}
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_coerce_integers(v, schema["items"]) for v in value]
+    if isinstance(value, float) and value.is_integer() and _wants_integer(schema):
+        return int(value)
+    return value
+
+
+def validate(raw: dict[str, Any]) -> dict[str, Any]:
+    """Validate a raw config dict, fill defaults, and return it. Raises UserError."""
+    if not isinstance(raw, dict):
+        raise UserError("the config must be a YAML mapping of keys to values")
+    schema = _schema()
+    d = _coerce_integers(copy.deepcopy(raw), schema)
+    if isinstance(d.get("task"), str):  # `task: regression` is short for task.name
+        d["task"] = {"name": d["task"]}
+    cls = _with_defaults(jsonschema.validators.validator_for(schema))
+    errors = sorted(cls(schema).iter_errors(d), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        lines = [message(e) for e in errors]
+        raise UserError("invalid config: " + "; ".join(dict.fromkeys(lines)))
+    names = [s["name"] for s in d["stages"]]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UserError(f"invalid config: stage names must be unique, repeated: {', '.join(dupes)}")
+    if d["profile"]["stage"] is not None and d["profile"]["stage"] not in names:
+        raise UserError(f"invalid config: profile.stage '{d['profile']['stage']}' is not a "
+                        f"stage; stages are: {', '.join(names)}")
+    if d["stages"][0].get("init_from") == "previous":
+        raise UserError("invalid config: stages.0.init_from: the first stage has no previous "
+                        "stage; use null or a path to weights")
+    _check_sources(d)
+    _check_images(d["data"])
+    _check_endpoints(d)
+    _check_recipe(d)
+    return d
+
+
+def _check_recipe(d: dict[str, Any]) -> None:
+    """Batch-level options need labels to mix and prepared arrays to act on."""
+    for i, st in enumerate(d["stages"]):
+        used = [k for k in ("random_erasing", "mixup_alpha", "cutmix_alpha",
+                            "progressive_resize") if st[k]]
+        mixing = [k for k in used if k in ("mixup_alpha", "cutmix_alpha")]
+        if mixing and d["task"]["name"] != "classification":
+            raise UserError(f"invalid config: stages.{i}.{mixing[0]} mixes labels, which only "
+                            f"task classification takes (task.name is "
+                            f"{d['task']['name']}); set it to 0")
+        if used and d["data"]["source"] == "python" and not d["data"]["materialize"]:
+            raise UserError(f"invalid config: stages.{i}.{used[0]} acts on prepared arrays; "
+                            f"a data.source python dataset does its own transforms (or set "
+                            f"data.materialize: true)")
+
+
+SMALL_SOURCES = ("synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "python")
+STORE_MARGIN = 1.15  # image folders keep this much more than training looks at (FFCV-style)
+
+
+def _check_images(data: dict[str, Any]) -> None:
+    """data.store_size resolved (null: image_size for 28/32 px sources, 1.15 x for image
+    folders) and the crop options checked against it."""
+    size, rrc, aug = data["image_size"], data["augment"]["random_resized_crop"], data["augment"]
+    if data["store_size"] is None:
+        big = data["source"] not in SMALL_SOURCES
+        data["store_size"] = int(round(size * STORE_MARGIN)) if big else size
+    if data["store_size"] < size:
+        what = "augment.random_resized_crop crops from" if rrc else "training and validation crop"
+        raise UserError(f"invalid config: data.store_size {data['store_size']} is smaller than "
+                        f"data.image_size {size}; the {what} the stored image: set store_size "
+                        f">= {size} (or null)")
+    if data["encoding"] == "jpeg":
+        _check_jpeg(data)
+    if rrc is None:
+        return
+    rrc.setdefault("scale", [0.08, 1.0])  # torchvision's (and every ImageNet recipe's)
+    rrc.setdefault("ratio", [3 / 4, 4 / 3])
+    for key in ("scale", "ratio"):
+        lo, hi = rrc[key]
+        if lo > hi:
+            raise UserError(f"invalid config: data.augment.random_resized_crop.{key} [{lo}, "
+                            f"{hi}] must be [low, high] with low <= high")
+    aug["crop_padding"] = aug["translate"] = 0  # the random box replaces pad-and-crop
+
+
+def _check_jpeg(data: dict[str, Any]) -> None:
+    """JPEG shards hold colour squares of an even size, written by prepare."""
+    if data["grayscale"]:
+        raise UserError("invalid config: data.encoding jpeg stores colour images; grayscale "
+                        "images are small and compress little: use encoding raw with "
+                        "grayscale, or grayscale: false")
+    if data["source"] == "python" and not data["materialize"]:
+        raise UserError("invalid config: data.encoding jpeg is how prepare stores images; a "
+                        "data.source python dataset is read as it is: set data.materialize: "
+                        "true, or encoding raw")
+    size = data["store_size"]
+    if size % 2 or size < 16:
+        raise UserError(f"invalid config: data.encoding jpeg needs an even data.store_size of "
+                        f"at least 16 (it is {size}): JPEG halves the colour planes, and CPU "
+                        f"and GPU decoders round an odd edge differently; set store_size to "
+                        f"{max(16, size + size % 2)} or use encoding raw")
+
+
+def _check_endpoints(d: dict[str, Any]) -> None:
+    """The addresses of outside systems, and slurm.gpus resolved (null = gres's count or 1)."""
+    uri = d["tracking"]["mlflow"]["uri"]
+    if uri is not None and (problem := endpoints.mlflow_uri_problem(uri)):
+        raise UserError(f"invalid config: tracking.mlflow.uri '{uri}' {problem}")
+    uri = d["container"]["uri"]
+    if uri is not None and (problem := endpoints.container_uri_problem(uri)):
+        raise UserError(f"invalid config: container.uri '{uri}' {problem}")
+    if uri is not None and d["container"]["engine"] in ("docker", "podman"):
+        raise UserError(f"invalid config: container.uri is for engine none (Snakemake runs "
+                        f"the rules in it: --sdm apptainer) or apptainer (the .sif is built "
+                        f"from it); engine {d['container']['engine']} builds from the "
+                        f"Dockerfile: drop the uri or change the engine")
+    s = d["slurm"]
+    if s["gres"] is not None:
+        n = endpoints.gres_gpus(s["gres"])
+        if n is None:
+            raise UserError(f"invalid config: slurm.gres '{s['gres']}' is not gpu:N or "
+                            f"gpu:type:N (e.g. gpu:4 or gpu:a100:4)")
+        if s["gpu_model"]:
+            raise UserError("invalid config: slurm.gres and slurm.gpu_model both name the "
+                            "GPUs; put the model in gres (gpu:type:N) and drop gpu_model")
+        if s["gpus"] is not None and s["gpus"] != n:
+            raise UserError(f"invalid config: slurm.gres '{s['gres']}' asks for {n} GPU(s) and "
+                            f"slurm.gpus for {s['gpus']}; give one of them (gres for clusters "
+                            f"that only accept --gres, else gpus)")
+        s["gpus"] = n
+    elif s["gpus"] is None:
+        s["gpus"] = 1
+
+
+def _check_sources(d: dict[str, Any]) -> None:
+    data = d["data"]
+    if data["source"] == "python" and not data["factory"]:
+        raise UserError("invalid config: data.source python needs data.factory, the "
+                        "package.module:callable that returns a Dataset for a split")
+    if data["factory"] and data["source"] != "python":
+        raise UserError(f"invalid config: data.factory is set but data.source is "
+                        f"'{data['source']}'; use data.source: python")
+    if data["source"] not in ("synthetic", "python") and not d["data"]["path"]:
+        raise UserError(f"invalid config: data.path is required for data.source "
+                        f"'{d['data']['source']}' (the folder or archive with the files)")
+
+
+def _build(d: dict[str, Any]) -> Config:
+    data = dict(d["data"])
+    data["augment"] = Augment(**data["augment"])
+    hw = dict(d["hardware"])
+    hw["devices"] = tuple(hw["devices"]) if hw["devices"] is not None else None
+    hw["slots"] = SlotsCfg(**hw["slots"])
+    sweep = {**d["sweep"], "variants": tuple(d["sweep"]["variants"]),
+             "random": d["sweep"].get("random")}
+    model = {**d["model"], "freeze": tuple(d["model"]["freeze"])}
+    stages = [{**s, "freeze": None if s["freeze"] is None else tuple(s["freeze"])}
+              for s in d["stages"]]
+    return Config(
+        run=d["run"], results_dir=d["results_dir"], seed=d["seed"],
+        deterministic=d["deterministic"], log_every_steps=d["log_every_steps"],
+        stop_check_s=d["stop_check_s"],
+        data=DataCfg(**data), model=ModelCfg(**model), task=TaskCfg(**d["task"]),
+        hardware=HardwareCfg(**hw),
+        checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
+        tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]), sweep=SweepCfg(**sweep),
+        tracking=TrackingCfg(d["tracking"]["tensorboard"],
+                             MlflowCfg(**d["tracking"]["mlflow"])),
+        profile=ProfileCfg(**d["profile"]),
+        stages=tuple(StageCfg(**s) for s in stages),
+    )
+
+
+# --------------------------------------------------------------------------- loading
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise UserError(f"--set expects dotted.key=value, got '{text}'")
+    key, value = text.split("=", 1)
+    if not key or any(not p for p in key.split(".")):
+        raise UserError(f"--set expects dotted.key=value, got '{text}'")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def set_key(d: dict[str, Any], parts: list[str], value: Any, label: str = "--set") -> None:
+    """d[parts[0]][parts[1]]... = value; list parts are indices, missing mappings are made."""
+    node: Any = d
+    for i, p in enumerate(parts):
+        last = i == len(parts) - 1
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not p.isdigit() or int(p) >= len(node):
+                raise UserError(f"{label} {'.'.join(parts)}: '{p}' is not an index of "
+                                f"{'.'.join(parts[:i]) or 'the list'} (0..{len(node) - 1})")
+            if last:
+                node[int(p)] = value
+            else:
+                node = node[int(p)]
+        elif isinstance(node, dict):
+            if last:
+                node[p] = value
+            else:
+                node = node.setdefault(p, {})
+        else:
+            raise UserError(f"{label} {'.'.join(parts)}: {where} is not a mapping or list")
+
+
+def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    d = copy.deepcopy(d)
+    for text in overrides or []:
+        parts, value = parse_override(text)
+        set_key(d, parts, value)
+    return d
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    return _build(validate(raw))
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read YAML, apply `--set` overrides, validate once, return the typed config."""
+    return from_dict(apply_overrides(read_yaml(path), overrides or []))

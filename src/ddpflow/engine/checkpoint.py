@@ -1,0 +1,224 @@
+"""Atomic checkpoints with checksums, keep-last-k, and resume from the newest valid one.
+
+A checkpoint `ckpt-<step>.pt` is serialised in memory, hashed, written to a temp
+file, fsynced and renamed into place; its SHA-256 then goes into `ckpt-<step>.pt.sha256`
+(also atomic). A checkpoint without a matching sidecar (killed mid-write, truncated,
+corrupted) is skipped with a warning and the previous one is used. Loading uses
+`torch.load(weights_only=True)`: a checkpoint is data, never code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from ddpflow.core.checksum import sha256_of, verify  # noqa: F401 - checkpoint.verify/sha256_of
+
+PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, payload: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_file(path: Path, obj) -> str:
+    """torch.save obj to path atomically; returns its SHA-256 (also written beside it)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    payload = buf.getvalue()
+    digest = hashlib.sha256(payload).hexdigest()
+    write_atomic(path, payload)
+    write_atomic(Path(str(path) + ".sha256"), f"{digest}  {Path(path).name}\n".encode())
+    return digest
+
+
+def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    if not Path(folder).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(folder).iterdir() if (m := PATTERN.match(p.name))]
+    return sorted(found)
+
+
+def save(folder: Path, step: int, state: dict, keep_last: int) -> Path:
+    path = Path(folder) / f"ckpt-{step:09d}.pt"
+    save_file(path, state)
+    for _, old in list_checkpoints(folder)[:-keep_last]:
+        old.unlink(missing_ok=True)
+        Path(str(old) + ".sha256").unlink(missing_ok=True)
+    return path
+
+
+class HostCopy:
+    """A copy of a state (nested dicts/lists of tensors) in host memory, taken at a step
+    boundary so training can go on changing the originals while a background thread writes
+    the copy. Buffers are kept and reused by the next save (page-locked for GPU tensors, so
+    the device-to-host copies run asynchronously and one synchronize ends them all)."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, obj, key: str = ""):
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj.detach(), key)
+        if isinstance(obj, dict):
+            return {k: self(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self(v, f"{key}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    def _tensor(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
+                or buf.stride() != t.stride()):
+            pin = t.device.type == "cuda"
+            # in the tensor's own layout (channels_last stays channels_last): a resumed
+            # optimizer's state must match its parameters' strides (saver.restore)
+            buf = torch.empty_like(t, device="cpu", pin_memory=pin)
+            self.buffers[key] = buf
+        return buf.copy_(t, non_blocking=t.device.type == "cuda")
+
+    def finish(self) -> None:
+        """Sync point (GPU): every device-to-host copy of this save has landed."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+class BackgroundWriter:
+    """One checkpoint write at a time in a background thread (TorchTitan-style asynchronous
+    save): serialising, hashing, fsync and rename run while training goes on. `submit` and
+    `wait` block until the previous write is done and raise its error, if it had one. The
+    thread is a daemon: a process that dies mid-write leaves only a temp file, and the
+    previous checkpoint stays the newest valid one."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def submit(self, job, *args) -> None:
+        self.wait()
+        if not self.enabled:
+            job(*args)
+            return
+        self.thread = threading.Thread(target=self._run, args=(job, args),
+                                       name="ddpflow-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self, job, args) -> None:
+        try:
+            job(*args)
+        except BaseException as e:  # noqa: BLE001 - raised again in the training thread
+            self.error = e
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+
+def load(path: Path, map_location="cpu") -> dict:
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def latest_valid(folder: Path, resume_key: str, warn=print) -> tuple[Path, dict] | None:
+    """The newest checkpoint that verifies and was written by this very stage (same config,
+    code and starting weights: its resume_key), loaded."""
+    for _, path in reversed(list_checkpoints(folder)):
+        problem = verify(path)
+        if problem is None:
+            try:
+                state = load(path)
+            except Exception as e:  # noqa: BLE001 - an unreadable file is skipped, not fatal
+                problem = f"cannot be loaded ({type(e).__name__})"
+            else:
+                if state.get("resume_key") == resume_key:
+                    return path, state
+                problem = "written with another config, code or starting weights"
+        warn(f"ddpflow: warning: skipping checkpoint {path.name}: {problem}", file=sys.stderr)
+    return None
+
+
+def set_aside(folder: Path) -> None:
+    """Move checkpoints of an earlier, different run of this stage to <folder>.old."""
+    folder = Path(folder)
+    if list_checkpoints(folder):
+        old = folder.with_name(folder.name + ".old")
+        if old.exists():
+            import shutil
+
+            shutil.rmtree(old)
+        os.replace(folder, old)
+        print(f"ddpflow: checkpoints of an earlier run moved to {old}", file=sys.stderr)
+
+
+def remove_partial(folder: Path) -> None:
+    """Delete temp files left by a write that was killed (they never became checkpoints)."""
+    if Path(folder).is_dir():
+        for p in Path(folder).glob(".ckpt-*.tmp*"):
+            print(f"ddpflow: removing unfinished checkpoint write {p.name}", file=sys.stderr)
+            p.unlink(missing_ok=True)
+
+
+def load_weights(path: Path, setting: str) -> dict:
+    """A state dict from a ddpflow checkpoint ({"model": ...}) or a plain state dict file;
+    anything else is a UserError naming `setting`."""
+    from ddpflow.core.errors import UserError
+
+    try:
+        obj = load(path)
+    except Exception as e:  # noqa: BLE001 - not a torch file, truncated, or holds code
+        raise UserError(f"{setting}: {path} cannot be loaded as weights "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]
+    if not isinstance(obj, dict) or not obj or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise UserError(f"{setting}: {path} is not a state dict (a mapping of names to "
+                        f"tensors) nor a ddpflow checkpoint")
+    return obj
+
+
+def check_fits(model: torch.nn.Module, weights: dict, setting: str) -> None:
+    """UserError naming the first tensor whose name or shape does not fit the model."""
+    from ddpflow.core.errors import UserError
+
+    own = model.state_dict()
+    for name, t in own.items():
+        if name not in weights:
+            raise UserError(f"{setting} does not fit the model: it has no tensor '{name}'")
+        if tuple(weights[name].shape) != tuple(t.shape):
+            raise UserError(f"{setting} does not fit the model: '{name}' is "
+                            f"{tuple(weights[name].shape)} there, {tuple(t.shape)} in the model")
+    extra = sorted(set(weights) - set(own))
+    if extra:
+        raise UserError(f"{setting} does not fit the model: it has tensors the model lacks, "
+                        f"first '{extra[0]}'")

@@ -1,0 +1,172 @@
+"""`ddpflow evaluate`: a finished stage's weights on a split (or an image folder), across
+the node's ranks with torchrun like training.
+
+    launcher  checks the stage and the data, runs torchrun (`ddpflow evaluate-rank`)
+    each rank its strided share, in fp32, outputs gathered to rank 0 (one collective)
+    rank 0    top-1, top-5, loss, per-class precision/recall/F1, the confusion matrix:
+              metrics.json, per_class.csv and confusion.png in
+              results/<run>/evaluate/<stage>/<split>-<weights>/ (written atomically)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ddpflow.config import Config
+from ddpflow.core.errors import UserError
+from ddpflow.data import imagefolder, prepared
+from ddpflow.data.prepare import check_settings
+from ddpflow.data.prepared import write_json_atomic
+from ddpflow.engine import distributed
+from ddpflow.inference.common import decode, preprocess, scores, stage_model, warn_if_stale
+from ddpflow.results import plots
+from ddpflow.seams.models import input_channels
+
+BATCH = 256  # images per forward, per rank
+
+
+def out_dir(cfg: Config, stage: str, split: str | None, weights: str) -> Path:
+    return cfg.run_dir / "evaluate" / stage / f"{split or 'images'}-{weights}"
+
+
+def launch(cfg: Config, stage: str | None, split: str, images: str | None, weights: str,
+           out: str | None, allow_empty: bool = False) -> int:
+    """Check, then one torchrun whose ranks evaluate together; prints the result."""
+    from ddpflow.launch.launcher import RANK_ERROR, plan
+    from ddpflow.launch.procs import run_torchrun
+    from ddpflow.launch.slurmnodes import missing_nodes_text, roll_call_dir
+    stage = stage or cfg.stages[-1].name
+    cfg.stage(stage)
+    meta = _meta(cfg)
+    if images is not None and not Path(images).is_dir():
+        raise UserError(f"--images {images} is not a folder; give a labelled folder "
+                        f"DIR/<class>/<image> (class names as in training)")
+    warn_if_stale(cfg, stage)
+    if images is None and meta["counts"][split]["total"] == 0:
+        if not allow_empty:
+            raise UserError(f"the prepared data has no {split} split (data.test_fraction 0, "
+                            f"or a data.factory without one); evaluate --split val, or "
+                            f"--images a labelled folder")
+        folder = Path(out) if out else out_dir(cfg, stage, split, weights)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder / "metrics.json", {"stage": stage, "split": split,
+                                                    "samples": 0, "note": f"no {split} split"})
+        print(f"ddpflow: no {split} split to evaluate; wrote {folder / 'metrics.json'}")
+        return 0
+    folder = Path(out) if out else out_dir(cfg, stage, None if images else split, weights)
+    folder.mkdir(parents=True, exist_ok=True)
+    resolved = folder / "config.json"
+    write_json_atomic(resolved, cfg.to_dict())
+    for old in ("metrics.json", RANK_ERROR):  # an earlier result never passes for this one
+        (folder / old).unlink(missing_ok=True)
+    extra = [f"--split={split}", f"--weights={weights}", f"--out={folder}"]
+    extra += [f"--images={images}"] if images else []
+    cmd, env = plan(cfg, stage, resolved, extra, command="evaluate-rank")
+    shutil.rmtree(roll_call_dir(resolved), ignore_errors=True)  # several nodes: who answers
+    rc, _ = run_torchrun(cmd, env, watch=folder / RANK_ERROR)
+    rank_error = json.loads((folder / RANK_ERROR).read_text()) if (
+        folder / RANK_ERROR).is_file() else None
+    if rank_error:
+        raise UserError(rank_error.get("message", "a rank stopped on a mistake"))
+    if rc != 0 or not (folder / "metrics.json").is_file():
+        why = (rc and missing_nodes_text(cfg, folder)) or f"torchrun exited with {rc}"
+        print(f"ddpflow: error: evaluation failed ({why})", file=sys.stderr)
+        return rc or 1
+    m = json.loads((folder / "metrics.json").read_text())
+    print(f"ddpflow: {stage} ({m['weights']['weights']} weights) on {m['split']}: "
+          f"acc {m['acc']:.4f}, top5 {m['top5']:.4f}, loss {m['loss']:.4f} over "
+          f"{m['samples']} images -> {folder}")
+    return 0
+
+
+def _meta(cfg: Config) -> dict:
+    meta = prepared.read_meta(cfg.data_dir)
+    if meta is None:
+        raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
+    check_settings(cfg, meta)
+    if cfg.task.name != "classification":
+        raise UserError(f"ddpflow evaluate reports classification metrics; task.name is "
+                        f"{cfg.task.name} (its metrics are in the stage's summary.json)")
+    return meta
+
+
+def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: str,
+              out: Path) -> None:
+    """One rank: its share of the images through the model, gathered on rank 0."""
+    d = distributed.setup(cfg.hardware)
+    meta, arrays = prepared.load(cfg.data_dir)
+    model, record = stage_model(cfg, meta, stage, weights)
+    model.to(d.device)
+    pre = preprocess(meta["mean"], meta["std"], cfg.data.image_size,
+                     input_channels(cfg.model.name, meta["image_shape"][2]), d.device)
+    if images:
+        files, labels = _labelled_folder(images, meta["classes"])
+        mine = list(range(d.rank, len(files), d.world))
+        x, kept, bad = decode([files[i] for i in mine], cfg.data.store_size, cfg.data.grayscale)
+        skipped = [(files[mine[i]], why) for i, why in bad.items()]
+        idx = np.array([mine[i] for i in kept], dtype=np.int64)
+        y = labels[idx]
+
+        def rows(a, b):
+            return x[a:b]
+    else:
+        x_all, y_all = arrays[split]
+        idx = np.arange(d.rank, len(y_all), d.world)
+        y, skipped = y_all[idx], []
+
+        def rows(a, b):  # read (JPEG shards: decode) one batch at a time
+            return x_all[idx[a:b]]
+    logits = []
+    with torch.no_grad():  # fp32: the figures predict and export compare against
+        for i in range(0, len(idx), BATCH):
+            logits.append(model(pre(torch.from_numpy(np.array(rows(i, i + BATCH)))))
+                          .float().cpu())
+    mine = (idx, torch.cat(logits) if logits else torch.zeros(0, meta["num_classes"]),
+            torch.as_tensor(np.asarray(y), dtype=torch.long), skipped)
+    gathered = distributed.gather_objects(d, mine)  # a collective: every rank's outputs
+    if d.is_master:
+        _write(cfg, meta, gathered, out, {"stage": stage, "split": images or split,
+                                          "weights": record, "world_size": d.world})
+    distributed.teardown(d)
+
+
+def _labelled_folder(root: str, classes: list[str]) -> tuple[list[str], np.ndarray]:
+    """Files and labels (the model's class numbers) of a root/<class>/<image> folder."""
+    found, items = imagefolder.scan(Path(root))
+    unknown = [c for c in found if c not in classes]
+    if unknown:
+        raise UserError(f"{root} has class folder(s) the model does not know: "
+                        f"{', '.join(unknown[:5])}; its classes are {', '.join(classes[:20])}")
+    return ([f for f, _ in items],
+            np.array([classes.index(found[label]) for _, label in items], dtype=np.int64))
+
+
+def _write(cfg: Config, meta: dict, gathered: list, out: Path, head: dict) -> None:
+    idx = np.concatenate([g[0] for g in gathered])
+    order = np.argsort(idx, kind="stable")
+    logits = torch.cat([g[1] for g in gathered])[order]
+    labels = torch.cat([g[2] for g in gathered])[order]
+    result = scores(logits, labels, meta["num_classes"])
+    classes = meta["classes"]
+    out = Path(out)
+    with open(out / "per_class.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["class", "precision", "recall", "f1", "support"])
+        pc = result["per_class"]
+        for i, name in enumerate(classes):
+            w.writerow([name, f"{pc['precision'][i]:.6f}", f"{pc['recall'][i]:.6f}",
+                        f"{pc['f1'][i]:.6f}", pc["support"][i]])
+    plots.confusion(np.array(result["confusion"]), classes, out / "confusion.png",
+                    f"{head['stage']} on {Path(str(head['split'])).name}")
+    skipped = [{"file": f, "reason": r} for g in gathered for f, r in g[3]]
+    write_json_atomic(out / "metrics.json", {  # last: its presence means complete
+        **head, **result, "classes": classes, "skipped": skipped,
+        "image_size": cfg.data.image_size, "store_size": cfg.data.store_size,
+        "config_hash": cfg.hash, "data_fingerprint": meta.get("fingerprint")})

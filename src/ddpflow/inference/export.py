@@ -1,0 +1,188 @@
+"""`ddpflow export`: a stage's weights as a bundle that runs without ddpflow's config.
+
+    results/<run>/export/
+        model.safetensors   the state dict (load into the architecture named in model.json)
+        model.ts            TorchScript (torch.jit.load: no model code needed)
+        model.onnx          ONNX, dynamic batch (opset in model.json)
+        model.json          architecture, classes, image size, mean/std, the crop rule,
+                            SHA-256 and size of each file, and each format's check
+
+Each format is checked when it is written: on a batch of real validation images its
+outputs are compared with the PyTorch model's (max |difference| of the logits within a
+tolerance, and the same top-1 class). A format that cannot be written or checked is named
+with its reason in model.json and on stderr, the others are still written, and the
+command exits 1. The bundle is built in a folder beside the target and moved into place
+whole, model.json last: a bundle without model.json is never complete.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ddpflow import __version__
+from ddpflow.config import Config
+from ddpflow.core.checksum import sha256_of
+from ddpflow.core.errors import UserError
+from ddpflow.data import crops, prepared
+from ddpflow.data.prepare import check_settings
+from ddpflow.inference.common import preprocess, stage_model, warn_if_stale
+from ddpflow.seams.models import input_channels
+
+OPSET = 17
+CHECK_IMAGES = 32  # validation images the formats are checked on
+RTOL = 1e-4  # a format passes when max |logit difference| <= RTOL x max(1, max |logit|)
+UMASK = os.umask(0o022)
+os.umask(UMASK)  # (read by setting it: restored at once)
+FILES = {"safetensors": "model.safetensors", "torchscript": "model.ts", "onnx": "model.onnx"}
+
+
+def export(cfg: Config, stage: str | None = None, out: str | None = None) -> int:
+    stage = stage or cfg.stages[-1].name
+    meta = prepared.read_meta(cfg.data_dir)
+    if meta is None:
+        raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
+    check_settings(cfg, meta)
+    warn_if_stale(cfg, stage)
+    model, record = stage_model(cfg, meta, stage, "final")
+    channels = input_channels(cfg.model.name, meta["image_shape"][2])
+    x = _check_batch(cfg, meta, channels)
+    with torch.no_grad():
+        ref = model(x)
+    target = Path(out) if out else cfg.run_dir / "export"
+    spec: dict = {}
+
+    def build(folder: Path) -> dict:
+        checks = {fmt: _write_format(fmt, model, x, ref, folder / name)
+                  for fmt, name in FILES.items()}
+        spec.update(_spec(cfg, meta, record, channels, checks, folder))
+        prepared.write_json_atomic(folder / "model.json", spec)
+        for f in folder.iterdir():  # a bundle is handed on: readable by others (umask)
+            os.chmod(f, 0o666 & ~UMASK)
+        os.chmod(folder, 0o777 & ~UMASK)
+        return spec
+
+    prepared.build_into(target, build)
+    failed = {f: c["error"] for f, c in spec["checks"].items() if not c["ok"]}
+    for fmt, c in spec["checks"].items():
+        state = "ok" if c["ok"] else f"FAILED: {c['error']}"
+        print(f"  {fmt:12s} {FILES[fmt]:18s} {state}"
+              + (f" (max |diff| {c['max_abs_diff']:.2e})" if c.get("max_abs_diff") is not None
+                 else ""))
+    print(f"ddpflow: exported stage '{stage}' ({record['holds']} weights) -> {target}")
+    if failed:
+        print("ddpflow: error: " + "; ".join(f"{f} was not exported: {e}"
+                                             for f, e in failed.items()), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check_batch(cfg: Config, meta: dict, channels: int) -> torch.Tensor:
+    """Up to CHECK_IMAGES validation images (the training split if val is empty), as the
+    model sees them."""
+    _, arrays = prepared.load(cfg.data_dir)
+    images = arrays["val"][0] if len(arrays["val"][0]) else arrays["train"][0]
+    pre = preprocess(meta["mean"], meta["std"], cfg.data.image_size, channels,
+                     torch.device("cpu"))
+    return pre(torch.from_numpy(np.array(images[:CHECK_IMAGES])))
+
+
+def _write_format(fmt: str, model, x, ref, path: Path) -> dict:
+    """Write one format and check it against `ref`; {"ok", "error", figures}."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tracer and exporter chatter, not the user's
+            out = WRITERS[fmt](model, x, path)
+    except Exception as e:  # noqa: BLE001 - a tracer/exporter failure is reported per format
+        path.unlink(missing_ok=True)
+        return {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    if out is None:  # written, but nothing here can run it
+        return {"ok": True, "checked": False, "note": "onnxruntime is not installed: "
+                "not run (pip install onnxruntime)"}
+    diff = (out.float() - ref.float()).abs().max().item()
+    tol = RTOL * max(1.0, ref.abs().max().item())
+    same_top1 = bool((out.argmax(1) == ref.argmax(1)).all())
+    ok = diff <= tol and same_top1
+    return {"ok": ok, "checked": True, "images": len(x), "max_abs_diff": diff,
+            "tolerance": tol, "same_top1": same_top1,
+            "error": None if ok else f"outputs differ from the PyTorch model's by {diff:.2e} "
+                                     f"(tolerance {tol:.2e}, same top-1: {same_top1})"}
+
+
+def _safetensors(model, x, path: Path):
+    from safetensors.torch import load_model, save_model
+
+    save_model(model, str(path))
+    twin = _fresh_copy(model)
+    load_model(twin, str(path))
+    with torch.no_grad():
+        return twin(x)
+
+
+def _fresh_copy(model):
+    import copy
+
+    twin = copy.deepcopy(model)
+    for p in twin.state_dict().values():
+        p.zero_()  # the check proves the file holds the weights
+    return twin.eval()
+
+
+def _torchscript(model, x, path: Path):
+    traced = torch.jit.trace(model, x[:2], check_trace=False)
+    traced.save(str(path))
+    loaded = torch.jit.load(str(path), map_location="cpu")
+    with torch.no_grad():
+        return loaded(x)  # another batch size than traced with: the batch is dynamic
+
+
+def _onnx(model, x, path: Path):
+    try:
+        import onnx  # noqa: F401 - the exporter needs it
+    except ImportError:
+        raise RuntimeError("the onnx package is not installed (pip install onnx)") from None
+    torch.onnx.export(model, (x[:2],), str(path), dynamo=False, opset_version=OPSET,
+                      input_names=["input"], output_names=["logits"],
+                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {"input": x.numpy()})[0])
+
+
+WRITERS = {"safetensors": _safetensors, "torchscript": _torchscript, "onnx": _onnx}
+
+
+def _spec(cfg: Config, meta: dict, record: dict, channels: int, checks: dict,
+          folder: Path) -> dict:
+    files = {fmt: {"file": name, "sha256": sha256_of(folder / name),
+                   "bytes": (folder / name).stat().st_size}
+             for fmt, name in FILES.items() if (folder / name).is_file()}
+    return {
+        "format_version": 1, "ddpflow": __version__, "torch": torch.__version__,
+        "architecture": {"name": cfg.model.name, "kwargs": cfg.model.kwargs,
+                         "code_dir": cfg.model.code_dir},
+        "task": cfg.task.name, "num_classes": meta["num_classes"], "classes": meta["classes"],
+        "input": {"name": "input", "layout": "NCHW", "dtype": "float32",
+                  "channels": channels, "data_channels": meta["image_shape"][2]},
+        "image_size": cfg.data.image_size, "store_size": cfg.data.store_size,
+        "grayscale": meta["image_shape"][2] == 1, "mean": meta["mean"], "std": meta["std"],
+        "crop": {"decode": f"RGB (or L when grayscale), short side resized to "
+                           f"{cfg.data.store_size} (bilinear), centre square kept",
+                 "normalize": "(x / 255 - mean) / std per channel",
+                 "eval": f"resize to {crops.eval_resize(cfg.data.image_size)} (bilinear, "
+                         f"antialiased) unless already {cfg.data.image_size}, centre crop "
+                         f"{cfg.data.image_size}"},
+        "onnx_opset": OPSET, "files": files, "checks": checks,
+        "check_rule": f"max |logit difference| <= {RTOL:g} x max(1, max |logit|) and the "
+                      f"same top-1 class, on {CHECK_IMAGES} validation images",
+        "source": record, "config_hash": cfg.hash,
+        "stage_hash": cfg.stage_hash(record["stage"]),
+    }

@@ -1,0 +1,244 @@
+"""Container engines: build the image and run a stage inside it.
+
+docker and podman are driven through the Docker Engine API with the `docker` Python
+SDK (podman answers the same API on its socket: `podman system service`). apptainer
+has no such API: its image is converted from the built one with `apptainer build` and
+stages run with `apptainer exec --nv` (written and documented; not run on our CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ddpflow.config import Config
+from ddpflow.core.errors import UserError
+from ddpflow.data.prepared import write_json_atomic
+
+IN_CONTAINER = "DDPFLOW_IN_CONTAINER"
+PODMAN_SOCKETS = ("/run/podman/podman.sock",)
+
+
+def _socket_hint(engine: str) -> str:
+    if os.environ.get("DOCKER_HOST"):
+        return f"DOCKER_HOST={os.environ['DOCKER_HOST']}"
+    return "unix:///var/run/docker.sock" if engine == "docker" else "the podman socket"
+
+
+def client(engine: str):
+    """A Docker-API client for docker or podman, or a UserError that says what to do."""
+    import docker
+
+    kwargs = {}
+    if engine == "podman" and not os.environ.get("DOCKER_HOST"):
+        run_dir = os.environ.get("XDG_RUNTIME_DIR", "")
+        for sock in (f"{run_dir}/podman/podman.sock" if run_dir else "", *PODMAN_SOCKETS):
+            if sock and os.path.exists(sock):
+                kwargs["base_url"] = f"unix://{sock}"
+                break
+    try:
+        c = docker.DockerClient(**kwargs) if kwargs else docker.from_env()
+        c.ping()
+        return c
+    except Exception as e:  # noqa: BLE001 - any failure to reach the engine gets one message
+        installed = shutil.which(engine) is not None
+        what = ("is installed but its engine does not answer" if installed
+                else "is not installed")
+        start = {"docker": "start it with `dockerd` (or `systemctl start docker`)",
+                 "podman": "start its API with `podman system service --time=0 &`"}[engine]
+        raise UserError(f"container.engine is '{engine}', but {engine} {what} "
+                        f"({_socket_hint(engine)}: {type(e).__name__}); {start}, or set "
+                        f"container.engine: none to run the stages in the host environment"
+                        ) from None
+
+
+def git_revision(repo: Path) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def build(cfg: Config, context: Path, out: Path) -> dict:
+    """Build the image from <context>/Dockerfile; write image.json; return its record."""
+    from ddpflow import __version__
+
+    engine = cfg.container.engine
+    record = {"engine": engine, "tag": cfg.container.image, "package_version": __version__}
+    if engine == "none":
+        import torch
+
+        record.update(image_id=None, note="stages run in the host environment",
+                      python=platform.python_version(), torch=torch.__version__)
+        write_json_atomic(out, record)
+        return record
+    if engine == "apptainer":
+        return _build_apptainer(cfg, context, out, record)
+    c = client(engine)
+    revision = git_revision(context)
+    # a base whose torch has no CUDA would train on the CPU of a GPU node: the build fails
+    # there (the Dockerfile checks); a host without GPUs may build a CPU image
+    args = {"VERSION": __version__, "REVISION": revision,
+            "REQUIRE_CUDA": "1" if _gpu_ids() else "0"}
+    if cfg.container.base_image:
+        args["BASE_IMAGE"] = cfg.container.base_image
+    t0 = time.perf_counter()
+    image_id = None
+    # the low-level API streams the build log as it happens (progress on long builds)
+    for chunk in c.api.build(path=str(context), dockerfile="Dockerfile", tag=cfg.container.image,
+                             buildargs=args, network_mode="host", rm=True, decode=True):
+        if "stream" in chunk:
+            sys.stdout.write(chunk["stream"])
+        if "error" in chunk:
+            raise UserError(f"image build failed: {chunk['error'].strip()}")
+        if "aux" in chunk and "ID" in chunk["aux"]:
+            image_id = chunk["aux"]["ID"]
+    image = c.images.get(image_id or cfg.container.image)
+    version = c.version()
+    record.update(
+        image_id=image.id, revision=revision, build_args=args,
+        labels=image.labels, size_bytes=image.attrs.get("Size"),
+        engine_version=version.get("Version"), engine_api=version.get("ApiVersion"),
+        build_time_s=round(time.perf_counter() - t0, 2),
+        digest=(image.attrs.get("RepoDigests") or [None])[0])
+    write_json_atomic(out, record)
+    return record
+
+
+def _build_apptainer(cfg: Config, context: Path, out: Path, record: dict) -> dict:
+    """The stages' .sif (`<run>/image.sif`): pulled from container.uri by apptainer itself
+    (docker:// or oras://, no Docker needed, as on most HPC systems), copied from a .sif
+    given as the uri, or, without a uri, built with docker and converted."""
+    if shutil.which("apptainer") is None:
+        raise UserError("container.engine is 'apptainer', but apptainer is not installed; "
+                        "install it, or set container.engine: none")
+    sif, uri = out.with_suffix(".sif"), cfg.container.uri
+    if uri and "://" not in uri:  # a .sif file (checked by config validation)
+        if not Path(uri).is_file():
+            raise UserError(f"container.uri {uri} does not exist; build it with "
+                            f"`apptainer build {uri} docker://<image>` or give a docker:// uri")
+        shutil.copyfile(uri, sif.with_suffix(".sif.tmp"))
+    elif uri:
+        subprocess.run(["apptainer", "build", "--force", str(sif.with_suffix(".sif.tmp")), uri],
+                       check=True)
+    else:
+        docker_cfg = {**cfg.to_dict(), "container": {**cfg.to_dict()["container"],
+                                                     "engine": "docker"}}
+        from ddpflow.config import from_dict
+
+        record.update(build(from_dict(docker_cfg), context, out))
+        subprocess.run(["apptainer", "build", "--force", str(sif.with_suffix(".sif.tmp")),
+                        f"docker-daemon://{cfg.container.image}"], check=True)
+    os.replace(sif.with_suffix(".sif.tmp"), sif)  # never a half-built image under its name
+    from ddpflow.core.checksum import sha256_of
+
+    record.update(engine="apptainer", sif=str(sif), source=uri or "Dockerfile",
+                  sif_sha256=sha256_of(sif))
+    write_json_atomic(out, record)
+    return record
+
+
+def _mounts(cfg: Config) -> list[Path]:
+    """Host folders the stage needs, mounted at the same path inside the container."""
+    paths = [Path.cwd(), Path(cfg.results_dir).resolve()]
+    if cfg.data.path:
+        p = Path(cfg.data.path).resolve()
+        paths.append(p if p.is_dir() else p.parent)
+    # the user's code and pretrained weights (outside the working folder: their own mount)
+    paths += [Path(d).resolve() for d in (cfg.model.code_dir, cfg.data.code_dir) if d]
+    if cfg.model.weights and Path(cfg.model.weights).is_file():
+        paths.append(Path(cfg.model.weights).resolve().parent)
+    keep: list[Path] = []
+    for p in sorted(set(paths), key=lambda q: len(q.parts)):
+        if not any(p == k or k in p.parents for k in keep):
+            keep.append(p)
+    return keep
+
+
+def _gpu_ids() -> list[str] | None:
+    """The GPUs to hand to the container, by UUID, or None where there are none. Not by
+    index: Docker reads indices in NVML's (physical) order, torch's follow
+    CUDA_VISIBLE_DEVICES (and CUDA_DEVICE_ORDER), so "0" can name another GPU."""
+    import torch
+
+    from ddpflow.launch.doctor import gpu_uuid
+
+    n = torch.cuda.device_count()
+    return [gpu_uuid(i) for i in range(n)] if n else None
+
+
+def _caller_env(cfg: Config) -> dict[str, str]:
+    """The container runs as the caller's uid, which the image's passwd may not know:
+    getpass.getuser() (torch.compile asks it) then needs USER/LOGNAME. torch.compile's
+    cache lives in the results folder (mounted), so a later stage reuses its kernels."""
+    user = os.environ.get("USER") or os.environ.get("LOGNAME") or "ddpflow"
+    return {"HOME": "/tmp", "USER": user, "LOGNAME": user,
+            "TORCHINDUCTOR_CACHE_DIR": str((cfg.run_dir / "cache" / "inductor").resolve())}
+
+
+def _cpuset() -> str | None:
+    """This launcher's cores when a slot narrowed them (slots.py), for the container too."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, cores)) if len(cores) < (os.cpu_count() or 0) else None
+
+
+def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str],
+              t0: float | None = None) -> int:
+    """Run `ddpflow launch` for one stage inside the image; returns its exit code. t0: when
+    the stage's command started (its wall time counts from there, container start-up
+    included)."""
+    from ddpflow.results.wallclock import LAUNCH_T0
+
+    t0_env = {LAUNCH_T0: f"{time.time() if t0 is None else t0:.6f}"}
+    argv = ["ddpflow", "launch", "--config", str(resolved.resolve()), "--stage", stage,
+            *extra_args]
+    gpus = _gpu_ids()
+    mounts = _mounts(cfg)
+    if cfg.container.engine == "apptainer":
+        sif = cfg.run_dir / "image.sif"
+        cmd = ["apptainer", "exec", *(["--nv"] if gpus else []),
+               *[x for m in mounts for x in ("--bind", f"{m}:{m}")],
+               "--env", f"{IN_CONTAINER}=apptainer:{sif}",
+               "--env", f"{LAUNCH_T0}={t0_env[LAUNCH_T0]}", str(sif), *argv]
+        return subprocess.call(cmd)
+    import docker
+
+    c = client(cfg.container.engine)
+    info = json.loads((cfg.run_dir / "image.json").read_text()) \
+        if (cfg.run_dir / "image.json").is_file() else {}
+    image = info.get("image_id") or cfg.container.image
+    requests = ([docker.types.DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])]
+                if gpus else [])
+    print(f"ddpflow: running in {cfg.container.engine} image {image[:19]} "
+          f"({len(gpus or [])} GPU(s), shm {cfg.container.shm_size})", file=sys.stderr)
+    container = c.containers.run(
+        image, argv, detach=True, working_dir=str(Path.cwd()),
+        user=f"{os.getuid()}:{os.getgid()}",
+        environment={IN_CONTAINER: f"{cfg.container.engine}:{image}", **_caller_env(cfg),
+                     **t0_env},
+        volumes={str(m): {"bind": str(m), "mode": "rw"} for m in mounts},
+        shm_size=cfg.container.shm_size, device_requests=requests, init=True,
+        network_mode="host", cpuset_cpus=_cpuset())
+
+    def forward(signum, _frame):  # preemption reaches the ranks inside
+        container.kill(signal="SIGTERM")
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        for line in container.logs(stream=True, follow=True):
+            sys.stderr.write(line.decode(errors="replace"))
+        rc = container.wait()["StatusCode"]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        container.remove(force=True)
+    return rc

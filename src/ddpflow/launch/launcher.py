@@ -1,0 +1,420 @@
+"""`ddpflow launch`: check everything a stage needs, then run one torchrun for it.
+
+One torchrun with N ranks per stage (never N copies of the job). The rendezvous is c10d
+on 127.0.0.1 with a free port and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: it survives
+`--max-restarts`, where a shared or static store can hand a restarted rank the address
+of a dead peer (stale addresses, pytorch issue 135712).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from ddpflow.config import Config
+from ddpflow.core import lazydynamo, locks
+from ddpflow.core.errors import UserError
+from ddpflow.data import prepared
+from ddpflow.data.prepare import check_settings
+from ddpflow.data.prepared import write_json_atomic
+from ddpflow.engine import checkpoint
+from ddpflow.launch.procs import TORCHRUN, WarmAgent, run_torchrun
+from ddpflow.launch.slurmnodes import (
+    check_slurm_gpus,
+    free_port,
+    missing_nodes_text,
+    roll_call_dir,
+    srun_command,
+)
+from ddpflow.results.provenance import expected_record, stage_result
+from ddpflow.results.summary import result_text, write_summary
+from ddpflow.results.wallclock import LAUNCH_T0, complete
+from ddpflow.seams.userimport import add_code_dirs
+
+EXIT_STOPPED = 75  # stopped at a checkpoint before the end (preempted): run again to resume
+EXIT_DIVERGED = 3  # loss became NaN/inf: rerunning the same settings will not help
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count()  # respects the caller's CUDA_VISIBLE_DEVICES
+
+
+def resolve_ranks(cfg: Config) -> tuple[int, str, dict[str, str]]:
+    """(ranks, device type, extra environment) for this node, or a UserError."""
+    hw = cfg.hardware
+    env: dict[str, str] = {}
+    n_gpu = visible_gpus()
+    if hw.devices is not None:
+        bad = [i for i in hw.devices if i >= n_gpu]
+        if bad:
+            have = f"ids 0..{n_gpu - 1}" if n_gpu else "none"
+            raise UserError(f"hardware.devices lists GPU {', '.join(map(str, bad))}, but this "
+                            f"machine has {n_gpu} visible GPU(s) ({have}); fix hardware.devices "
+                            f"or leave it null to use all")
+        # ids index the GPUs visible now; map them through an existing CUDA_VISIBLE_DEVICES
+        outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = outer.split(",") if outer else [str(i) for i in range(n_gpu)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in hw.devices)
+        n_gpu = len(hw.devices)
+    if hw.device == "cuda" and n_gpu == 0:
+        raise UserError("hardware.device is 'cuda' but no GPU is visible; use hardware.device: "
+                        "auto or cpu, or check CUDA_VISIBLE_DEVICES and the driver")
+    device = "cuda" if hw.device != "cpu" and n_gpu > 0 else "cpu"
+    if hw.nproc_per_node == "auto":
+        n = n_gpu if device == "cuda" else 1
+    else:
+        n = int(hw.nproc_per_node)
+        if device == "cuda" and n > n_gpu:
+            raise UserError(f"hardware.nproc_per_node is {n} but only {n_gpu} GPU(s) are "
+                            f"visible; one rank per GPU, so use at most {n_gpu} (or auto)")
+    env.update(_threads(hw, n), PYTHONUNBUFFERED="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    if cfg.deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    return n, device, env
+
+
+def _threads(hw, n: int) -> dict[str, str]:
+    """CPU threads per rank process: the usable cores shared by n ranks (or as set)."""
+    cores = len(os.sched_getaffinity(0))  # a slot (slots.py) narrows the usable cores
+    threads = (max(1, cores // n) if hw.threads_per_rank == "auto" else int(hw.threads_per_rank))
+    return {"OMP_NUM_THREADS": str(threads), "DDPFLOW_THREADS": str(threads)}
+
+
+def stage_ranks(cfg: Config, stage: str) -> tuple[int, str, dict[str, str]]:
+    """resolve_ranks for one stage: DataParallel runs one process that drives every GPU,
+    and that one process gets the cores that n ranks would have shared."""
+    n, device, env = resolve_ranks(cfg)
+    if cfg.stage(stage).strategy == "dp":
+        return 1, device, {**env, **_threads(cfg.hardware, 1)}
+    return n, device, env
+
+
+def preflight(cfg: Config, stage: str, world: int = 1) -> None:
+    """Everything a stage needs that can be checked before any rank starts: a mistake found
+    here costs no rank start-up and no torchrun restart."""
+    from ddpflow.tracking.trackers import check as check_tracking
+
+    st = cfg.stage(stage)
+    i = cfg.stage_index(stage)
+    check_tracking(cfg)
+    lazydynamo.defer()  # the launcher never compiles: seconds saved in the meta-model check
+    if st.batch_size == "auto":
+        from ddpflow.engine.tune import load_choice
+
+        choice, mismatch = load_choice(cfg, st)
+        if choice is None:
+            raise UserError(f"stages.{i}.batch_size is auto but " + (mismatch or (
+                f"{cfg.run_dir / 'tune.json'} does not exist: run `ddpflow tune --config ...` "
+                f"(or set tune.enabled: true in the workflow), or give a number")))
+    meta = prepared.read_meta(cfg.data_dir)
+    if meta is None:
+        raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare --config ...`"
+                        f" first (or the workflow's data rule)")
+    check_settings(cfg, meta)
+    changed = prepared.changed_files(cfg.data_dir, meta)
+    if changed:
+        raise UserError(f"the prepared data at {cfg.data_dir} changed after it was prepared "
+                        f"({', '.join(changed)}); run `ddpflow prepare --config ...`: it "
+                        f"checks the files and prepares them again if they differ")
+    if st.batch_size != "auto":
+        need = st.batch_size * world * st.grad_accum_steps
+        have = meta["counts"]["train"]["total"]
+        if need > have:
+            raise UserError(f"stages.{i}.batch_size {st.batch_size} x {world} rank(s) x "
+                            f"{st.grad_accum_steps} accumulation = {need} samples per step, "
+                            f"but the training split has {have}; lower the batch size")
+    add_code_dirs(cfg)
+    model = _model_on_meta(cfg, meta)
+    _check_seams(cfg, st, meta, model)
+    if st.init_from == "previous":
+        prev = cfg.stages[i - 1].name
+        summary, stale = stage_result(cfg, prev)
+        if summary is None:
+            raise UserError(f"stage '{stage}' starts from stage '{prev}', which has not "
+                            f"finished; run '{prev}' first")
+        if stale:
+            raise UserError(f"stage '{stage}' starts from stage '{prev}', whose result is "
+                            f"{stale}; run '{prev}' again first (the workflow does)")
+    elif st.init_from:
+        src = Path(st.init_from)
+        if not src.is_file():
+            raise UserError(f"init_from of stage '{stage}': {src} does not exist")
+        if model is not None:
+            checkpoint.check_fits(model, checkpoint.load_weights(src, f"stages.{i}.init_from"),
+                                  f"stages.{i}.init_from {src}")
+
+
+def _check_seams(cfg: Config, st, meta: dict, model) -> None:
+    """The task builds, model.weights fit the model and the freeze prefixes name
+    parameters: each mistake is one message here instead of one per rank."""
+    from ddpflow.engine.weights import freeze, load_pretrained, pretrained_file, read_state_dict
+    from ddpflow.seams.tasks import build_task, monitor
+
+    monitor(cfg, build_task(cfg, st, meta.get("num_classes")))
+    if model is None:
+        return
+    if not st.init_from and cfg.model.weights:
+        src = pretrained_file(cfg)
+        sd = read_state_dict(src, "model.weights")
+        load_pretrained(_ShapesOnly(model), sd, f"model.weights {src}")
+    prefixes = st.freeze if st.freeze is not None else cfg.model.freeze
+    freeze(model, prefixes, f"stages.{cfg.stage_index(st.name)}.freeze"
+           if st.freeze is not None else "model.freeze")
+
+
+class _ShapesOnly:
+    """A meta-device model seen by load_pretrained: shapes are checked, nothing is copied."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, *args, **kwargs):
+        return None
+
+
+def _model_on_meta(cfg: Config, meta: dict):
+    """The stage's model on the meta device (no memory), after one forward at the data's
+    image size: an image too small for the model fails here, not in every rank."""
+    import torch
+
+    from ddpflow.seams.models import build_model, input_channels
+
+    if meta.get("kind") == "python":  # a user dataset: any input; only build the model
+        with torch.device("meta"):
+            return build_model(cfg.model, meta.get("num_classes"), meta.get("in_channels"))
+    c = meta["image_shape"][2]
+    h = w = cfg.data.image_size  # what the model sees: the crop of the stored image
+    in_ch = input_channels(cfg.model.name, c)
+    with torch.device("meta"):
+        model = build_model(cfg.model, meta["num_classes"], in_ch)
+        try:
+            model.eval()(torch.zeros(2, in_ch, h, w))
+        except (NotImplementedError, TypeError):  # an op without a meta kernel: skip the probe
+            pass
+        except RuntimeError as e:
+            raise UserError(f"data.image_size {h} is too small for model.name "
+                            f"'{cfg.model.name}' ({str(e).splitlines()[0][:160]}); use larger "
+                            f"images or another model") from None
+    return model
+
+
+def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
+         command: str = "train", ranks: tuple | None = None) -> tuple[list, dict]:
+    """The torchrun command line and environment for one stage (or its tuning);
+    `ranks` is stage_ranks(cfg, stage) where the caller has it already."""
+    n, _device, env = ranks or stage_ranks(cfg, stage)
+    train = ["--module", "ddpflow", command, "--resolved", str(resolved), "--stage", stage,
+             *extra_args]
+    restarts = f"--max-restarts={cfg.hardware.max_restarts}"
+    if cfg.hardware.nodes == 1:
+        # a c10d rendezvous on this machine: every restart round gets fresh store keys, so a
+        # restarted rank never dials a dead peer's address (pytorch issue 135712)
+        cmd = [*TORCHRUN, "--nnodes=1",
+               f"--nproc-per-node={n}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={stage}-{os.getpid()}",
+               restarts, *train]
+        return cmd, env
+    return srun_command(cfg, n, resolved, restarts, train), env
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _read_failure(out: Path) -> dict | None:
+    return _read_json(out / "failed.json")
+
+
+def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = (),
+           t0: float | None = None, agent: WarmAgent | None = None) -> int:
+    """Run one stage; t0 (epoch seconds) is when its command started, for the wall-time
+    split; `agent` a torchrun agent warmed up by the caller (else one is started here, so
+    its start-up overlaps the checks)."""
+    from ddpflow.launch import container
+
+    t0 = time.time() if t0 is None else t0
+    local = cfg.container.engine == "none" or os.environ.get(container.IN_CONTAINER)
+    if agent is None and local and not dry_run and cfg.hardware.nodes == 1:
+        agent = WarmAgent()
+    try:
+        return _launch(cfg, stage, dry_run, extra_args, t0, agent)
+    finally:
+        if agent is not None:
+            agent.cancel()  # unused (a mistake, nothing to do): it ends having started nothing
+
+
+def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: float,
+            agent: WarmAgent | None) -> int:
+    from ddpflow.launch import container
+
+    st = cfg.stage(stage)
+    out = cfg.stage_dir(st.name)
+    in_image = cfg.container.engine != "none" and not os.environ.get(container.IN_CONTAINER)
+    n = 1
+    if in_image:
+        print(f"ddpflow: stage '{stage}' runs in the {cfg.container.engine} image "
+              f"{cfg.container.image}", file=sys.stderr)
+    else:
+        check_slurm_gpus(cfg)
+        ranks = stage_ranks(cfg, stage)
+        n, device, _ = ranks
+        cmd, env = plan(cfg, stage, out / "config.json", list(extra_args), ranks=ranks)
+        shown = " ".join(f"{k}={v}" for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES")
+        per = f"{cfg.hardware.nodes} node(s) x " if cfg.hardware.nodes > 1 else ""
+        print(f"ddpflow: stage '{stage}': {per}{n} rank(s) on {device}", file=sys.stderr)
+        print(f"ddpflow: {shown + ' ' if shown else ''}{' '.join(cmd)}", file=sys.stderr)
+    if dry_run:
+        return 0
+    # one writer per stage; inside the container the launcher outside already holds it
+    held = (nullcontext() if os.environ.get(container.IN_CONTAINER)
+            else locks.exclusive(out / ".lock", f"stage '{stage}' ({out})"))
+    preflight(cfg, stage, n)  # read-only: a mistake writes nothing, not even the lock
+    with held:
+        summary, stale = stage_result(cfg, stage)
+        if summary is not None and not stale:
+            print(f"ddpflow: stage '{stage}' already finished with these settings, code and "
+                  f"data (nothing to do): {out / 'summary.json'}", file=sys.stderr)
+            return 0
+        refuse_repeated_divergence(cfg, stage)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RANK_ERROR).unlink(missing_ok=True)
+        write_json_atomic(out / "config.json", cfg.to_dict())
+        if in_image:
+            rc, stop_signal = container.run_stage(cfg, out / "config.json", stage,
+                                                  list(extra_args), t0), None
+        else:
+            write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
+            shutil.rmtree(roll_call_dir(out / "config.json"), ignore_errors=True)
+            rc, stop_signal = run_torchrun(cmd, {**env, LAUNCH_T0: f"{t0:.6f}"},  # ranks
+                                           watch=out / RANK_ERROR, agent=agent)  # count from t0
+        complete_wall(cfg, stage, t0)
+        return _outcome(cfg, stage, rc, stop_signal, quiet=in_image)
+
+
+def complete_wall(cfg: Config, stage: str, t0: float) -> None:
+    """Add the time until now (process exit, teardown) to the wall split of a summary that
+    this launch's ranks wrote."""
+    summary, stale = stage_result(cfg, stage)
+    wall = (summary or {}).get("wall")
+    if stale or not wall or wall.get("rank_end", 0) < t0:
+        return
+    wall = complete(wall)
+    write_summary(cfg.stage_dir(stage) / "summary.json", {
+        **summary, "wall": wall, "wall_time_s": wall["total_s"],
+        "wall_samples_per_s": wall["samples_per_s"]})
+
+
+RANK_ERROR = "error.json"  # a user mistake found inside a rank (see report_rank_error)
+
+
+def report_rank_error(folder: Path, err: UserError) -> None:
+    """Called in a rank: record the mistake for the launcher, which stops the group and
+    prints it once. The rank then exits 0, so torchrun does not restart a mistake."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / RANK_ERROR, {"message": str(err),
+                                            "rank": int(os.environ.get("RANK", 0))})
+
+
+def refuse_repeated_divergence(cfg: Config, stage: str) -> None:
+    """A stage that diverged with exactly these inputs diverges again: a retry (Snakemake's
+    `retries`) stops at once instead of resuming into the same NaN."""
+    failed = _read_failure(cfg.stage_dir(stage))
+    if failed and failed.get("record") == expected_record(cfg, stage):
+        raise DivergedBefore(f"stage '{stage}' diverged with these settings before: "
+                             f"{failed['reason']}; change the settings (or delete "
+                             f"{cfg.stage_dir(stage) / 'failed.json'} to try them again)")
+
+
+class DivergedBefore(UserError):
+    exit_code = EXIT_DIVERGED
+
+
+def _outcome(cfg: Config, stage: str, rc: int, stop_signal: str | None, quiet: bool) -> int:
+    """The launcher's one message and exit code, from what the ranks left behind."""
+    out = cfg.stage_dir(stage)
+    said = (lambda *a, **k: None) if quiet else print
+    rank_error = _read_json(out / RANK_ERROR)
+    if rank_error:
+        raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
+    summary, stale = stage_result(cfg, stage)
+    failed = _read_failure(out)
+    if failed and failed.get("record") == expected_record(cfg, stage):
+        said(f"ddpflow: error: stage '{stage}' stopped: {failed['reason']}; the last good "
+             f"checkpoint is kept in {out / 'checkpoints'}", file=sys.stderr)
+        return EXIT_DIVERGED
+    if rc == 0 and summary and not stale:
+        said(f"ddpflow: stage '{stage}' finished: {result_text(summary)}, "
+             f"{summary['steps']} steps, "
+             f"{summary['wall_time_s']:.1f} s -> {out / 'summary.json'}", file=sys.stderr)
+        return 0
+    has_ckpt = bool(checkpoint.list_checkpoints(out / "checkpoints"))
+    if rc in (0, EXIT_STOPPED) or stop_signal:
+        if not has_ckpt:
+            said(f"ddpflow: stage '{stage}' was stopped ({stop_signal or 'signal'}) before its "
+                 f"first checkpoint: nothing to resume; run the same command again to start "
+                 f"it", file=sys.stderr)
+        else:
+            said(f"ddpflow: stage '{stage}' stopped at a checkpoint before its end "
+                 f"(preempted); run the same command again to resume from "
+                 f"{out / 'checkpoints'}", file=sys.stderr)
+        return EXIT_STOPPED
+    gone = missing_nodes_text(cfg, out)
+    kept = (f"completed checkpoints are kept in {out / 'checkpoints'} and a rerun resumes "
+            f"from the newest valid one" if has_ckpt else "no checkpoint was written yet")
+    why = gone or (f"torchrun exited with {rc} after up to {cfg.hardware.max_restarts} "
+                   f"restart(s)")
+    said(f"ddpflow: error: stage '{stage}' failed: {why}; {kept}", file=sys.stderr)
+    return rc if rc > 0 else 1
+
+
+def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
+    """`ddpflow tune`: one torchrun whose ranks measure together; writes <run>/tune.json."""
+    stage = stage or cfg.tune.stage or cfg.stages[0].name
+    cfg.stage(stage)
+    check_slurm_gpus(cfg)
+    meta = prepared.read_meta(cfg.data_dir)
+    if meta is None:
+        raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
+    check_settings(cfg, meta)
+    if meta.get("kind") == "python" or cfg.task.name != "classification":
+        raise UserError("ddpflow tune measures the prepared image data with the classification "
+                        "task; with data.source python (without data.materialize) or another "
+                        "task, set batch_size and precision in the stage instead of auto")
+    out = cfg.run_dir / "tune"
+    resolved = out / "config.json"
+    extra = [f"--memory-cap-mb={memory_cap_mb}"] if memory_cap_mb else []
+    cmd, env = plan(cfg, stage, resolved, extra, command="tune-rank")
+    print(f"ddpflow: tuning for stage '{stage}': {' '.join(cmd)}", file=sys.stderr)
+    with locks.exclusive(out / ".lock", f"tuning of run '{cfg.run}' ({out})"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RANK_ERROR).unlink(missing_ok=True)
+        shutil.rmtree(roll_call_dir(resolved), ignore_errors=True)
+        write_json_atomic(resolved, cfg.to_dict())
+        rc, _ = run_torchrun(cmd, env, watch=out / RANK_ERROR)
+        rank_error = _read_json(out / RANK_ERROR)
+        if rank_error:
+            raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
+    result = cfg.run_dir / "tune.json"
+    if rc != 0 or not result.is_file():
+        why = (rc and missing_nodes_text(cfg, out)) or f"torchrun exited with {rc}"
+        print(f"ddpflow: error: tuning failed ({why})", file=sys.stderr)
+        return rc or 1
+    choice = json.loads(result.read_text())["choice"]
+    print(f"ddpflow: tuned -> {result}: " + ", ".join(f"{k} {v}" for k, v in choice.items()),
+          file=sys.stderr)
+    return 0

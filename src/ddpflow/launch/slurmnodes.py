@@ -1,0 +1,118 @@
+"""Stages on several nodes of a Slurm allocation: the node list, one srun that starts a
+torchrun on each node behind a roll call (rollcall.py), and what to say when a node is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from ddpflow.config import Config
+from ddpflow.core.errors import UserError
+from ddpflow.launch import rollcall
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def srun_command(cfg: Config, n: int, resolved: Path, restarts: str, train: list) -> list:
+    """One srun step with one torchrun per node (n ranks each), meeting at a c10d rendezvous
+    on the first node of the allocation (where this launcher runs). Each node first answers
+    a roll call, so a node that cannot join is named instead of waited for."""
+    nodes, hw = cfg.hardware.nodes, cfg.hardware
+    hosts = slurm_hosts()
+    if len(hosts) < nodes:
+        raise UserError(f"hardware.nodes is {nodes} but the Slurm allocation has "
+                        f"{len(hosts)} node(s); submit with --nodes={nodes} "
+                        f"(slurm resource nodes) or lower hardware.nodes")
+    job = os.environ.get("SLURM_JOB_ID", "ddpflow")
+    port = hw.rdzv_port or free_port()
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+           "--kill-on-bad-exit=1", sys.executable, "-m", "ddpflow.launch.rollcall",
+           str(roll_call_dir(resolved)), hosts[0], str(port), str(hw.timeout_s), "--",
+           sys.executable, "-m", "torch.distributed.run",
+           f"--nnodes={nodes}", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id={job}",
+           f"--rdzv-conf=join_timeout={hw.timeout_s}", restarts, *train]
+    return cmd
+
+
+def roll_call_dir(resolved: Path) -> Path:
+    """Where the nodes of a several-node stage (or tuning) answer the roll call."""
+    return Path(resolved).parent / "nodes"
+
+
+def missing_nodes_text(cfg: Config, folder: Path) -> str | None:
+    """After a failed several-node run: which nodes never joined its rendezvous, or None."""
+    if cfg.hardware.nodes == 1:
+        return None
+    try:
+        hosts = slurm_hosts()[: cfg.hardware.nodes]
+    except UserError:
+        return None
+    gone = rollcall.missing(roll_call_dir(folder / "config.json"), hosts)
+    if not gone:
+        return None
+    return (f"{len(gone)} of {len(hosts)} node(s) never joined the rendezvous on {hosts[0]} "
+            f"within hardware.timeout_s ({cfg.hardware.timeout_s} s): {', '.join(gone)}; "
+            f"check that node (sinfo -N, its slurmd log) and that it can reach {hosts[0]} "
+            f"on the rendezvous port (set hardware.rdzv_port to one the firewall allows)")
+
+
+def slurm_hosts() -> list[str]:
+    """Host names of the current Slurm allocation, first = rendezvous host."""
+    nodelist = (os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+                or _job_nodelist(os.environ.get("SLURM_JOB_ID")))
+    if not nodelist:
+        raise UserError("hardware.nodes > 1 runs inside a Slurm allocation of that many "
+                        "nodes (no SLURM_JOB_NODELIST here); use --profile profiles/slurm "
+                        "or sbatch --nodes=N, see docs/slurm.md")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise UserError(f"cannot expand the Slurm node list '{nodelist}' with scontrol ({e})"
+                        ) from None
+    return out.split()
+
+
+def _job_nodelist(job: str | None) -> str | None:
+    """The node list of a job, asked of Slurm: Snakemake's Slurm job step keeps only
+    SLURM_JOB_ID of the allocation's variables in the environment it runs a rule in."""
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for field in out.split():
+        if field.startswith("NodeList=") and field != "NodeList=(null)":
+            return field.split("=", 1)[1]
+    return None
+
+
+def check_slurm_gpus(cfg: Config) -> None:
+    """In a Slurm job that asked for GPUs, the GPUs this launcher sees must be the GPUs the
+    stage asked for: fewer means the job was split into one task per GPU (an executor
+    plugin adding --ntasks-per-gpu) or a --set-resources override; training on them would
+    quietly run a different job than the config says."""
+    from ddpflow.launch.slots import gpu_ids
+
+    want = cfg.slurm.gpus
+    if not os.environ.get("SLURM_JOB_ID") or want == 0 or cfg.hardware.nodes > 1:
+        return
+    seen = gpu_ids()
+    if len(seen) != want:
+        raise UserError(f"this Slurm job sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}, job "
+                        f"{os.environ['SLURM_JOB_ID']}) but slurm.gpus asks for {want}; "
+                        f"request the GPUs as one task (snakemake-executor-plugin-slurm >= "
+                        f"2.7.1, resource tasks_per_gpu=0, as the workflow does) or set "
+                        f"slurm.gpus to what the job gets")

@@ -1,0 +1,182 @@
+"""Metrics to the trackers users already open: TensorBoard event files (`tracking.tensorboard`)
+and MLflow runs (`tracking.mlflow`, in mlflowrun.py), both fed by `Trackers` on rank 0.
+
+Rank 0's metrics records (the same ones metrics.jsonl gets) go to
+`<run>/tensorboard/<stage>/`: per log interval loss, lr, samples/s, compute-only samples/s,
+data-wait share, TFLOP/s, MFU, peak memory and grad scale; per validation every val_ (and
+test_) metric; at the stage's end the resolved config as hparams with the final metrics.
+Steps continue across stages (a stage's step 1 is the previous stages' steps + 1), so one
+TensorBoard view shows the whole run; a resumed stage purges the points after its checkpoint
+(`purge_step`), so nothing is drawn twice.
+
+The writer lives in its own thread: importing TensorBoard (protobuf, about 2 s) and writing
+events never holds up a training step. `close()` waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+from pathlib import Path
+
+from ddpflow.config import Config
+from ddpflow.core.errors import UserError
+
+TRAIN_SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "perf/samples_per_s",
+                 "compute_samples_per_s": "perf/compute_samples_per_s",
+                 "data_wait_fraction": "perf/data_wait_fraction", "tflops": "perf/tflops",
+                 "mfu": "perf/mfu", "peak_mem_mib": "perf/peak_mem_mib",
+                 "grad_scale": "train/grad_scale"}
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported here (without importing it: both are slow)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def tensorboard_available() -> bool:
+    return installed("tensorboard")
+
+
+def check(cfg: Config) -> None:
+    """A tracker asked for without its package: one message naming the extra."""
+    from ddpflow.tracking.mlflowrun import check as check_mlflow
+
+    check_mlflow(cfg)
+    if cfg.tracking.tensorboard is True and not tensorboard_available():
+        raise UserError("tracking.tensorboard is true but the tensorboard package is not "
+                        "installed; pip install 'ddpflow[tensorboard]' (or set "
+                        "tracking.tensorboard: auto to log only where it is installed)")
+
+
+def step_offset(cfg: Config, stage: str) -> int:
+    """Optimizer steps of the stages before this one (from their summaries)."""
+    total = 0
+    for st in cfg.stages[: cfg.stage_index(stage)]:
+        try:
+            total += int(json.loads((cfg.stage_dir(st.name) / "summary.json").read_text())
+                         ["steps"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return total
+
+
+def scalars(rec: dict) -> dict:
+    """A metrics record's values by tracker tag: train/loss, perf/mfu, val/acc, test/acc..."""
+    if rec.get("kind") == "train":
+        return {tag: rec[k] for k, tag in TRAIN_SCALARS.items()
+                if isinstance(rec.get(k), (int, float))}
+    if rec.get("kind") in ("val", "test"):
+        return {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}": v for k, v in rec.items()
+                if k.startswith(("val_", "test_")) and isinstance(v, (int, float))}
+    return {}
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    """{'stages.0.lr': 0.1, ...}: nested config as scalar hparams (lists as JSON text)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flat(v, key + "."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for i, x in enumerate(v):
+                out.update(flat(x, f"{key}.{i}."))
+        elif isinstance(v, (bool, int, float, str)):
+            out[key] = v
+        else:
+            out[key] = json.dumps(v)
+    return out
+
+
+class TensorBoard:
+    """Event files for one stage, written by a background thread."""
+
+    def __init__(self, folder: Path, offset: int, resume_step: int):
+        self.folder, self.offset = Path(folder), offset
+        self.q: queue.Queue = queue.Queue()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, args=(offset + resume_step,),
+                                       name="ddpflow-tensorboard", daemon=True)
+        self.thread.start()
+
+    def _run(self, purge_step: int) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(self.folder), purge_step=purge_step or None)
+        except Exception as e:  # noqa: BLE001 - a tracker never fails training
+            self.error = f"{type(e).__name__}: {e}"
+            print(f"ddpflow: warning: TensorBoard logging is off ({self.error})",
+                  file=sys.stderr)
+            while self.q.get() is not None:
+                pass
+            return
+        while (item := self.q.get()) is not None:
+            kind, payload = item
+            if kind == "scalars":
+                step, values = payload
+                for tag, v in values.items():
+                    writer.add_scalar(tag, v, step)
+            else:  # hparams with the final metrics
+                hp, metrics = payload
+                writer.add_hparams(hp, metrics, run_name=".")
+        writer.close()
+
+    def record(self, rec: dict) -> None:
+        values = scalars(rec)
+        if values:
+            self.q.put(("scalars", (self.offset + int(rec.get("step", 0)), values)))
+
+    def stage_end(self, config: dict, final_metrics: dict, artifacts: list) -> None:
+        metrics = {f"hparam/{k}": v for k, v in final_metrics.items()
+                   if isinstance(v, (int, float))}
+        self.q.put(("hparams", (flat(config), metrics)))
+
+    def close(self, status: str) -> None:
+        self.q.put(None)
+        self.thread.join()
+
+
+class Trackers:
+    """Every tracker of a stage, fed the same calls."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def record(self, rec: dict) -> None:
+        for t in self.items:
+            t.record(rec)
+
+    def stage_end(self, config: dict, final_metrics: dict, artifacts: list) -> None:
+        for t in self.items:
+            t.stage_end(config, final_metrics, artifacts)
+
+    def close(self, status: str) -> None:
+        """status: FINISHED, KILLED (stopped at a checkpoint, resumable) or FAILED."""
+        for t in self.items:
+            t.close(status)
+
+
+def open_trackers(cfg: Config, stage: str, resume_step: int, key: str) -> Trackers | None:
+    """The stage's trackers on rank 0, or None when none is on."""
+    from ddpflow.tracking import mlflowrun
+
+    items: list = []
+    offset = step_offset(cfg, stage)
+    on = cfg.tracking.tensorboard
+    if on is True or (on == "auto" and tensorboard_available()):
+        check(cfg)
+        items.append(TensorBoard(cfg.run_dir / "tensorboard" / stage, offset, resume_step))
+    if cfg.tracking.mlflow.uri:
+        mlflowrun.check(cfg)
+        items.append(mlflowrun.MlflowStage(cfg, stage, offset, key, resume_step > 0,
+                                           flat(cfg.to_dict())))
+    return Trackers(items) if items else None
