@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -60,12 +61,17 @@ def test_a_log_interval_reads_the_clock_after_the_sync(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(train, "interval_record",
-                        lambda t, per_rank, dt, *a: seen.setdefault("dt", dt) and {})
+                        lambda s, setup, per_rank, dt, *a, **k: seen.setdefault("dt", dt) and {})
     t = train.Trainer.__new__(train.Trainer)
     t.state = train.TrainState(step=10, loss_count=5)
     t.d = Dist(0, 0, 1, torch.device("cpu"), None)
-    t.loss_sum = _SlowScalar(0.3)  # the interval's work "still queued" when the line starts
-    t.first_bad = torch.tensor(-1)
+    # the interval's work "still queued" when the line starts
+    t.counters = SimpleNamespace(loss_sum=_SlowScalar(0.3), first_bad=torch.tensor(-1),
+                                 skipped=torch.tensor(0))
+    t.fixed, t.flops_per_micro, t.first_interval, t.t_start = None, 1.0, True, 0.0
+    t.sched = SimpleNamespace(get_last_lr=lambda: [0.1])
+    t.gpu = SimpleNamespace(interval=lambda: (None, None))
+    t.scaler = SimpleNamespace(is_enabled=lambda: False)
     t.interval = [time.perf_counter(), 0.0, 5]
     t.log = type("Log", (), {"write": lambda self, r: None})()
     t.bar = type("Bar", (), {"set_postfix": lambda self, **k: None})()

@@ -71,22 +71,20 @@ def test_recipe_options_that_cannot_apply_are_one_message():
 
 
 def _trainer(stop: dict, monitor=("val_acc", "max")):
-    """What earlystop.check reads of a trainer: the stage's stop settings and its state."""
-    state = SimpleNamespace(stop={}, step=0, epoch=0, elapsed_s=0.0, wall_s={})
-    said = []
-    t = SimpleNamespace(st=SimpleNamespace(name="s1", stop=stop), state=state,
-                        monitor=monitor[0], mode=monitor[1], task=SimpleNamespace(
-                            maximize=("acc",)), t_start=0.0, clock=SimpleNamespace(t0=0.0),
-                        cfg=SimpleNamespace(stage_index=lambda n: 0,
-                                            task=SimpleNamespace(name="classification")),
-                        say=said.append)
-    return t, said
+    """A stage's stop rule and the TrainState its record lives in (what earlystop.check is
+    given by the trainer)."""
+    state = SimpleNamespace(stop={}, step=0, epoch=0)
+    rule = earlystop.stop_rule(stop, "stages.0", SimpleNamespace(maximize=("acc",)),
+                               "classification", monitor[0], monitor[1])
+    return SimpleNamespace(rule=rule, state=state), []
 
 
 def _feed(t, values, key="val_acc"):
     for i, v in enumerate(values):
         t.state.step, t.state.epoch = 10 * (i + 1), i
-        if earlystop.check(t, {key: v, "val_loss": 1 - v}):
+        at = {"step": t.state.step, "epoch": i + 1, "train_time_s": 0.0, "wall_time_s": 0.0}
+        t.state.stop = earlystop.check(t.rule, t.state.stop, {key: v, "val_loss": 1 - v}, at)
+        if "stopped" in t.state.stop:
             return i + 1
     return None
 
@@ -94,7 +92,8 @@ def _feed(t, values, key="val_acc"):
 def test_patience_counts_validations_without_a_new_best():
     t, said = _trainer({"monitor": None, "patience": 2, "target": None})
     assert _feed(t, [0.5, 0.6, 0.6, 0.55, 0.9]) == 4  # 0.6 and 0.55 do not beat 0.6
-    assert t.state.stop["stopped"]["step"] == 40 and "patience 2" in said[0]
+    assert t.state.stop["stopped"]["step"] == 40
+    assert "patience 2" in t.state.stop["stopped"]["reason"]
     # a minimized monitor of the user's choice: val_loss must fall
     t, _ = _trainer({"monitor": "val_loss", "patience": 1, "target": None})
     assert _feed(t, [0.5, 0.6, 0.7]) is None and t.state.stop["bad_validations"] == 0

@@ -1,6 +1,7 @@
 """Early stopping and time-to-target (`stages[].stop: {monitor, patience, target}`).
 
-After each validation the trainer calls `check(trainer, metrics)`:
+After each validation the trainer calls `check(rule, state.stop, metrics, at)` and keeps
+the stop record it returns:
 - `target`: the first time the monitored metric reaches it (>= when maximized, <= when
   minimized), the step, epoch, training seconds and wall seconds since the launch are
   recorded (time-to-accuracy: the figure people compare) and the stage stops there;
@@ -16,57 +17,69 @@ the weights at the stop and the next stage starts from them.
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 
 from ddpflow.core.errors import UserError
 from ddpflow.seams.tasks import metric_mode
 
 
-def _monitor(t) -> tuple[str, str]:
-    name = t.st.stop.get("monitor")
-    if not name or name == t.monitor:
-        return t.monitor, t.mode
-    return name, metric_mode(name, t.task, "auto")
+@dataclass(frozen=True)
+class StopRule:
+    """A stage's `stop:` settings with its monitor resolved."""
+
+    monitor: str
+    mode: str  # max / min
+    patience: int | None
+    target: float | None
+    where: str  # "stages.<i>" for messages
+    task_name: str
 
 
-def check(t, metrics: dict) -> bool:
-    """Update TrainState.stop after a validation; True when the stage stops here."""
-    cfg, s = t.st.stop, t.state
-    if cfg.get("patience") is None and cfg.get("target") is None:
-        return False
-    name, mode = _monitor(t)
+def stop_rule(stop: dict, where: str, task, task_name: str, monitor: str,
+              mode: str) -> StopRule | None:
+    """The rule of `stages[].stop` (None when neither patience nor target is set); the
+    monitor is best.pt's (`monitor`, `mode`) unless stop.monitor names another metric."""
+    if stop.get("patience") is None and stop.get("target") is None:
+        return None
+    name = stop.get("monitor")
+    if name and name != monitor:
+        monitor, mode = name, metric_mode(name, task, "auto")
+    return StopRule(monitor, mode, stop.get("patience"), stop.get("target"), where, task_name)
+
+
+def check(rule: StopRule | None, so_far: dict, metrics: dict, at: dict) -> dict:
+    """The stop record after one validation (a new dict; `so_far` is TrainState.stop).
+    `at`: step, epoch (counted from 1), train_time_s and wall_time_s of this validation.
+    The record has "stopped" once the stage stops here."""
+    if rule is None:
+        return so_far
+    name, mode = rule.monitor, rule.mode
     if name not in metrics:
-        i = t.cfg.stage_index(t.st.name)
-        raise UserError(f"stages.{i}.stop.monitor {name} is not a validation metric of task "
-                        f"{t.cfg.task.name}; it reports {', '.join(metrics)}")
-    value, st = metrics[name], s.stop
+        raise UserError(f"{rule.where}.stop.monitor {name} is not a validation metric of task "
+                        f"{rule.task_name}; it reports {', '.join(metrics)}")
+    value, st = metrics[name], dict(so_far)
     better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
     if st.get("best") is None or better(value, st["best"]):
         st["best"], st["bad_validations"] = value, 0
     else:
         st["bad_validations"] = st.get("bad_validations", 0) + 1
-    target = cfg.get("target")
-    if target is not None and "target" not in st and (
-            value >= target if mode == "max" else value <= target):
-        st["target"] = {"monitor": name, "target": target, "value": value, "step": s.step,
-                        "epoch": s.epoch + 1,
-                        "train_time_s": round(s.elapsed_s + time.perf_counter() - t.t_start, 3),
-                        "wall_time_s": round(time.time() - t.clock.t0
-                                             + sum(s.wall_s.values()), 3)}
-        st["stopped"] = {"reason": f"{name} {value:.4g} reached the target {target:g}",
-                         "step": s.step, "epoch": s.epoch + 1}
-    elif cfg.get("patience") is not None and st["bad_validations"] >= cfg["patience"]:
+    where = {"step": at["step"], "epoch": at["epoch"]}
+    if rule.target is not None and "target" not in st and (
+            value >= rule.target if mode == "max" else value <= rule.target):
+        st["target"] = {"monitor": name, "target": rule.target, "value": value, **where,
+                        "train_time_s": round(at["train_time_s"], 3),
+                        "wall_time_s": round(at["wall_time_s"], 3)}
+        st["stopped"] = {"reason": f"{name} {value:.4g} reached the target {rule.target:g}",
+                         **where}
+    elif rule.patience is not None and st["bad_validations"] >= rule.patience:
         st["stopped"] = {"reason": f"{name} did not improve on {st['best']:.4g} for "
                                    f"{st['bad_validations']} validation(s) (patience "
-                                   f"{cfg['patience']})", "step": s.step, "epoch": s.epoch + 1}
-    if "stopped" in st:
-        t.say(f"stopping early at step {s.step}: {st['stopped']['reason']}")
-        return True
-    return False
+                                   f"{rule.patience})", **where}
+    return st
 
 
-def summary(t) -> dict:
-    """The summary.json keys: early_stop (the reason, or None) and target (time-to-target)."""
-    st = t.state.stop
-    return {"early_stop": st.get("stopped"), "target": st.get("target"),
-            "time_to_target_s": (st.get("target") or {}).get("wall_time_s")}
+def summary(stop: dict) -> dict:
+    """The summary.json keys from TrainState.stop: early_stop (the reason, or None) and
+    target (time-to-target)."""
+    return {"early_stop": stop.get("stopped"), "target": stop.get("target"),
+            "time_to_target_s": (stop.get("target") or {}).get("wall_time_s")}

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddpflow.data.prepared import write_json_atomic
+from ddpflow.core import reading
+from ddpflow.core.writing import write_json_atomic
 from ddpflow.engine import distributed
 from ddpflow.engine.efficiency import untouched
 from ddpflow.engine.runtime import mixed_precision
@@ -109,20 +110,17 @@ def _rank0_answer(name: str, caches: tuple[Path, Path], model, shape, autocast, 
     return kept
 
 
-def for_trainer(t, model: nn.Module, in_ch: int | None) -> tuple[bool, str]:
-    """decide() for a Trainer (train.py) and its plain model; the inputs of its data
-    pipeline follow the answer."""
-    size = t.cfg.data.image_size
-    if t.channels_last == "auto" and not in_ch:
-        on, why = False, "auto: the inputs are not images"
-    else:
-        on, why = decide(t.channels_last, model, t.d, (min(t.batch_size, 16), in_ch, size, size),
-                         mixed_precision(t.precision, t.d.device)[1], t.cfg.deterministic,
-                         t.cfg.run_dir / "layout.json",
-                         {"model": t.cfg.model.name, "kwargs": t.cfg.model.kwargs,
-                          "precision": t.precision})
-    t.data.use_channels_last(on)
-    return on, why
+def for_stage(setting, cfg, model: nn.Module, d, batch_size: int, in_ch: int | None,
+              precision: str) -> tuple[bool, str]:
+    """decide() for a training stage's plain `model` (setting: the stage's channels_last,
+    true/false/"auto"): (on, why). The caller's data pipeline follows the answer."""
+    size = cfg.data.image_size
+    if setting == "auto" and not in_ch:
+        return False, "auto: the inputs are not images"
+    return decide(setting, model, d, (min(batch_size, 16), in_ch, size, size),
+                  mixed_precision(precision, d.device)[1], cfg.deterministic,
+                  cfg.run_dir / "layout.json",
+                  {"model": cfg.model.name, "kwargs": cfg.model.kwargs, "precision": precision})
 
 
 MARGIN = 1.05  # channels_last must be this much faster than NCHW to be chosen
@@ -141,8 +139,13 @@ def _write(path: Path, name: str, kept) -> None:
         pass
 
 
+_SECONDS = {"type": "number", "minimum": 0}
+# layout.json: a cache of measurements (missing or damaged: measured again and rewritten)
+LAYOUT_SCHEMA = {"type": "object", "additionalProperties": {
+    "anyOf": [{"type": "null"}, {"type": "object", "required": ["nchw_s", "channels_last_s"],
+                                 "properties": {"nchw_s": _SECONDS,
+                                                "channels_last_s": _SECONDS}}]}}
+
+
 def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    return reading.read_json_or_none(path, LAYOUT_SCHEMA, "layout cache") or {}

@@ -7,6 +7,7 @@ import hashlib
 import math
 import os
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -93,6 +94,19 @@ class StopPoll:
 
     def seen(self, step: int, step_time_s: float) -> None:
         self.next = step + max(1, int(self.every_s / max(step_time_s, 1e-9)))
+
+    def poll(self, d, step: int, interval: list) -> bool:
+        """When due, a small collective (a sync point): has any rank been asked to stop?
+        interval: the log interval in progress (start time, data wait, steps)."""
+        if not self.due(step):
+            return False
+        from ddpflow.engine import distributed, stopflag
+
+        t0, _, n = interval
+        per_rank = distributed.all_gather_floats(
+            d, [(time.perf_counter() - t0) / max(n, 1), 1.0 if stopflag.received() else 0.0])
+        self.seen(step, max(r[0] for r in per_rank))
+        return any(r[1] > 0 for r in per_rank)
 
 
 def peak_memory_mib(device: torch.device) -> float:

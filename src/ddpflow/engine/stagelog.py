@@ -1,101 +1,104 @@
 """What a training stage writes besides checkpoints: the `train` lines of metrics.jsonl
-(one per log interval) and summary.json (last, only for a finished stage). Both read the
-`Trainer` (train.py) they describe."""
+(one per log interval), best.pt, final.pt, failed.json and summary.json (last, only for a
+finished stage). Each function takes what it writes as arguments (state.py's StageFiles,
+StageSetup and TrainState, and the live figures), never the Trainer."""
 
 from __future__ import annotations
 
 import os
-import time
 
 from ddpflow.engine import checkpoint, earlystop
 from ddpflow.engine.runtime import environment, peak_memory_mib
+from ddpflow.engine.state import StageEnd, StageFiles, StageSetup, TrainState
 from ddpflow.results.metrics import efficiency_means, read_records
 from ddpflow.results.summary import write_summary
 from ddpflow.results.wallclock import summary_block
-from ddpflow.seams.models import param_count, unwrap
 
 
-def interval_record(t, per_rank: list, dt: float, wait: float, n: int, loss: float,
-                    now: float) -> dict:
-    """One log interval of n optimizer steps over dt seconds (wait: blocked on data)."""
-    s, d = t.state, t.d
-    per_sample = t.batch_size * t.accum * n
+def interval_record(s: TrainState, setup: StageSetup, per_rank: list, dt: float, wait: float,
+                    n: int, *, loss: float, lr: float, flops_per_micro: float, gpu: tuple,
+                    grad_scale: float | None, skipped: int, warmup: bool,
+                    time_s: float) -> dict:
+    """One log interval of n optimizer steps over dt seconds (wait: blocked on data);
+    per_rank: each rank's (step time, ...); gpu: the sampler's (utilisation, memory)."""
+    world, devices = setup.world, setup.devices
+    per_sample = setup.batch_size * setup.accum * n
     # all ranks do the same work: rank 0's FLOPs x world = the job's FLOPs
-    flops_s = t.flops_per_micro * t.accum * n * d.world / dt
-    util, gpu_mem = t.gpu.interval()
+    flops_s = flops_per_micro * setup.accum * n * world / dt
     return {
-        "kind": "train", "step": s.step, "epoch": s.epoch, "loss": loss,
-        "lr": t.sched.get_last_lr()[0],
-        "samples_per_s": per_sample * d.world / dt,
+        "kind": "train", "step": s.step, "epoch": s.epoch, "loss": loss, "lr": lr,
+        "samples_per_s": per_sample * world / dt,
         "samples_per_s_per_rank": [per_sample / (r[0] * n) for r in per_rank],
-        "compute_samples_per_s": per_sample * d.world / max(dt - wait, 1e-9),
+        "compute_samples_per_s": per_sample * world / max(dt - wait, 1e-9),
         "tflops": flops_s / 1e12,
-        "mfu": flops_s / (t.peak * d.world * len(t.devices)) if t.peak else None,
-        "gpu_util": util, "gpu_mem_mib": gpu_mem,
+        "mfu": flops_s / (setup.peak * world * len(devices)) if setup.peak else None,
+        "gpu_util": gpu[0], "gpu_mem_mib": gpu[1],
         "step_time_s": dt / n, "step_time_s_per_rank": [r[0] for r in per_rank],
-        "data_wait_fraction": wait / dt, "peak_mem_mib": max(peak_memory_mib(v) for v in t.devices),
-        "grad_scale": t.scaler.get_scale() if t.scaler.is_enabled() else None,
-        "skipped_steps": int(t.skipped.item()),
-        "warmup": t.first_interval, "time_s": s.elapsed_s + now - t.t_start}
+        "data_wait_fraction": wait / dt, "peak_mem_mib": max(peak_memory_mib(v) for v in devices),
+        "grad_scale": grad_scale, "skipped_steps": skipped, "warmup": warmup, "time_s": time_s}
 
 
-def stage_summary(t) -> dict:
+def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dict, *,
+                  test_metrics: dict, final_sha: str | None, train_time_s: float,
+                  flops_per_micro: float | None, skipped: int, weight_hashes: list,
+                  rank_hosts: list) -> dict:
     """summary.json of a finished stage: results, efficiency means, what it ran on, and the
-    record of what it was made from."""
-    s, d, cfg = t.state, t.d, t.cfg
-    t.clock.lap("teardown")
-    wall = summary_block(t.clock, s.wall_s, s.runs + 1, s.step * t.global_batch)
-    records, problems = read_records(t.out / "metrics.jsonl")
+    record of what it was made from (wall: wallclock.summary_block of all its runs)."""
+    records, problems = read_records(files.out / "metrics.jsonl")
     last_val = [r for r in records if r["kind"] == "val"][-1]
     final = {k: v for k, v in last_val.items() if k.startswith("val_")}
     best = s.best.get("metrics", {})
     summary = {
-        "stage": t.st.name, "finished": True, "steps": s.step, "epochs": s.epoch,
-        "task": cfg.task.name, "monitor": t.monitor, "monitor_mode": t.mode,
+        "stage": files.stage, "finished": True, "steps": s.step, "epochs": s.epoch,
+        "task": files.config["task"]["name"], "monitor": files.monitor,
+        "monitor_mode": files.mode,
         "final_metrics": final, "best_metrics": best, "best_value": s.best.get("value"),
         "final_val_acc": final.get("val_acc"), "final_val_loss": final.get("val_loss"),
         "best_val_acc": best.get("val_acc"), "best_val_loss": best.get("val_loss"),
         "best_step": s.best.get("step"),
         # the test split, on the weights handed on, after selection: {} = no test split
-        "test_metrics": t.test_metrics, **t.test_metrics,
-        **earlystop.summary(t),  # early_stop (why, or None), target and time_to_target_s
-        "weights": "ema" if t.ema else "raw",  # what final.pt/best.pt's "model" holds
+        "test_metrics": test_metrics, **test_metrics,
+        **earlystop.summary(s.stop),  # early_stop (why, or None), target and time_to_target_s
+        "weights": "ema" if setup.ema else "raw",  # what final.pt/best.pt's "model" holds
         "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
         # from the command to the result, all runs of the stage (the launcher adds its end)
         "wall_time_s": wall["total_s"], "wall": wall,
-        "train_time_s": s.elapsed_s + time.perf_counter() - t.t_start,  # the loop's part
+        "train_time_s": train_time_s,  # the loop's part
         **efficiency_means(records),
         "steady_state_excludes": "start-up, each run's first log interval, validation, "
                                  "checkpoint stalls, steps after an epoch's last log line, "
                                  "teardown (wall_samples_per_s includes everything)",
         "wall_samples_per_s": wall["samples_per_s"],
-        "flops_per_sample": (t.flops_per_micro / t.batch_size if t.flops_per_micro else None),
-        "peak_flops_per_gpu": t.peak, "gpus_per_rank": len(t.devices),
-        "world_size": d.world, "device": d.device.type, "backend": d.backend,
-        "precision": t.precision, "strategy": t.st.strategy,
-        "wrapper": type(t.model).__name__ if t.model is not unwrap(t.model) else None,
-        "batch_size_per_rank": t.batch_size, "grad_accum_steps": t.accum,
-        "channels_last": t.channels_last, "layout_reason": t.layout_reason,
-        "compile": t.compile, "tuned": t.tuned,
-        "compiled_graphs": compiled_graphs() if t.compile else None,  # > 0: it did compile
-        "global_batch": t.global_batch, "lr_effective": t.lr,
-        "skipped_steps": int(t.skipped.item()),
-        "loader": t.data.kind, "loader_reason": t.data.reason,
-        "init": t.init_report,
+        "flops_per_sample": (flops_per_micro / setup.batch_size if flops_per_micro else None),
+        "peak_flops_per_gpu": setup.peak, "gpus_per_rank": len(setup.devices),
+        "world_size": setup.world, "device": setup.device.type, "backend": setup.backend,
+        "precision": setup.precision, "strategy": setup.strategy, "wrapper": setup.wrapper,
+        "batch_size_per_rank": setup.batch_size, "grad_accum_steps": setup.accum,
+        "channels_last": setup.channels_last, "layout_reason": setup.layout_reason,
+        "compile": setup.compile, "tuned": setup.tuned,
+        "compiled_graphs": compiled_graphs() if setup.compile else None,  # > 0: it did compile
+        "global_batch": setup.global_batch, "lr_effective": setup.lr,
+        "skipped_steps": skipped,
+        "loader": setup.loader, "loader_reason": setup.loader_reason,
+        "init": setup.init,
         "container": os.environ.get("DDPFLOW_IN_CONTAINER"),
-        "params": param_count(unwrap(t.model)),
-        "trainable_params": sum(p.numel() for p in unwrap(t.model).parameters()
-                                if p.requires_grad),
+        "params": setup.params, "trainable_params": setup.trainable_params,
         "metrics_problems": problems,
-        "rank_weight_sha256": t.weight_hashes, "rank_hosts": t.rank_hosts,
-        "environment": environment(d.device),
-        "weights_in_sync": len(set(t.weight_hashes)) == 1,
-        "config": cfg.to_dict(), "config_hash": cfg.hash,
-        "stage_hash": cfg.stage_hash(t.st.name), "record": t.record,
-        "final_sha256": t.final_sha,
+        "rank_weight_sha256": weight_hashes, "rank_hosts": rank_hosts,
+        "environment": environment(setup.device),
+        "weights_in_sync": len(set(weight_hashes)) == 1,
+        "config": files.config, "config_hash": files.config_hash,
+        "stage_hash": files.stage_hash, "record": files.record,
+        "final_sha256": final_sha,
     }
-    write_summary(t.out / "summary.json", summary)
+    write_summary(files.out / "summary.json", summary)
     return summary
+
+
+def wall_block(clock, s: TrainState, global_batch: int) -> dict:
+    """The wall split of every run of the stage so far (summary.json "wall")."""
+    clock.lap("teardown")
+    return summary_block(clock, s.wall_s, s.runs + 1, s.step * global_batch)
 
 
 def compiled_graphs() -> int:
@@ -105,10 +108,10 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def write_failure(t) -> None:
+def write_failure(files: StageFiles, reason: str, step: int) -> None:
     """failed.json: why the stage stopped (a NaN/inf loss) and what it was made from."""
-    write_summary(t.out / "failed.json", {"stage": t.st.name, "reason": t.diverged,
-                                          "step": t.state.step, "record": t.record})
+    write_summary(files.out / "failed.json", {"stage": files.stage, "reason": reason,
+                                              "step": step, "record": files.record})
 
 
 def handed_on(model: dict, ema: dict | None) -> dict:
@@ -119,41 +122,46 @@ def handed_on(model: dict, ema: dict | None) -> dict:
     return {"model": ema, "weights": "ema", "model_raw": model}
 
 
-def write_final(t) -> str:
+def write_final(files: StageFiles, model: dict, ema: dict | None, step: int) -> str:
     """final.pt (the weights, config and record); returns its SHA-256."""
-    return checkpoint.save_file(t.out / "final.pt", {
-        **handed_on(unwrap(t.model).state_dict(), t.ema.weights() if t.ema else None),
-        "config": t.cfg.to_dict(), "step": t.state.step, "record": t.record})
+    return checkpoint.save_file(files.out / "final.pt", {
+        **handed_on(model, ema), "config": files.config, "step": step, "record": files.record})
 
 
-def write_best(t, model: dict, best: dict, ema: dict | None = None) -> None:
+def write_best(files: StageFiles, model: dict, best: dict, ema: dict | None = None) -> None:
     """best.pt: the weights (`model`, a state dict; `ema`, the average's) of the best
     validation result so far by task.monitor (`best`: TrainState.best when copied)."""
-    checkpoint.save_file(t.out / "best.pt", {
-        **handed_on(model, ema), "config": t.cfg.to_dict(), "step": best["step"],
-        "monitor": t.monitor, "value": best["value"], "record": t.record})
+    checkpoint.save_file(files.out / "best.pt", {
+        **handed_on(model, ema), "config": files.config, "step": best["step"],
+        "monitor": files.monitor, "value": best["value"], "record": files.record})
 
 
-def write_results(t) -> None:
+def write_results(files: StageFiles, setup: StageSetup, s: TrainState, end: StageEnd, clock,
+                  log, saver, trackers, say) -> None:
     """Rank 0 at the stage's end: failed.json, or final.pt and summary.json (only for a
-    finished stage), after the last background save; the trackers get the end."""
-    if t.test_metrics:
-        t.log.write({"kind": "test", "step": t.state.step, "epoch": t.state.epoch,
-                     "weights": "ema" if t.ema else "raw", **t.test_metrics})
-    t.log.close()
-    if not t.diverged and not t.halted:
-        t.final_sha = write_final(t)  # while the last checkpoint is being written
-    t.clock.lap("teardown")
-    t.saver.wait()  # the last save is complete before the stage ends or stops
-    t.clock.lap("checkpoint")
-    if t.diverged:
-        write_failure(t)
-        t.say(f"stopped: {t.diverged}")
-    elif not t.halted:
-        summary = stage_summary(t)
-        if t.trackers:
-            t.trackers.stage_end(t.cfg.to_dict(), summary["final_metrics"],
-                                 [t.out / "summary.json", t.out / "metrics.jsonl"])
-        t.say(f"done: {t.out / 'summary.json'}")
-    if t.trackers:  # event files complete, MLflow run ended when the stage ends
-        t.trackers.close("FAILED" if t.diverged else "KILLED" if t.halted else "FINISHED")
+    finished stage), after the last background save (`saver`); the metrics log closed, the
+    trackers told how it ended."""
+    if end.test_metrics:
+        log.write({"kind": "test", "step": s.step, "epoch": s.epoch,
+                   "weights": "ema" if setup.ema else "raw", **end.test_metrics})
+    log.close()
+    finished = not end.diverged and not end.halted
+    final_sha = write_final(files, end.model, end.ema, s.step) if finished else None
+    clock.lap("teardown")  # final.pt is written while the last checkpoint is
+    saver.wait()  # the last save is complete before the stage ends or stops
+    clock.lap("checkpoint")
+    if end.diverged:
+        write_failure(files, end.diverged, s.step)
+        say(f"stopped: {end.diverged}")
+    elif finished:
+        summary = stage_summary(
+            files, setup, s, wall_block(clock, s, setup.global_batch),
+            test_metrics=end.test_metrics, final_sha=final_sha, train_time_s=end.train_time_s,
+            flops_per_micro=end.flops_per_micro, skipped=end.skipped,
+            weight_hashes=end.weight_hashes, rank_hosts=end.rank_hosts)
+        if trackers:
+            trackers.stage_end(files.config, summary["final_metrics"],
+                               [files.out / "summary.json", files.out / "metrics.jsonl"])
+        say(f"done: {files.out / 'summary.json'}")
+    if trackers:  # event files complete, MLflow run ended when the stage ends
+        trackers.close("FAILED" if end.diverged else "KILLED" if end.halted else "FINISHED")

@@ -7,7 +7,10 @@ optimizer, resume), then epochs of `train_step`s with `log_interval`s, `validate
 `checkpoint` at epoch ends (as often as asked; saver.py writes in the background), then
 `finish`. `clock` (wallclock.py) gives every second to a phase. What a user replaces comes in
 through seams: the model builder (models.py), the data (data/pipeline.py) and the task
-(tasks.py). `TrainState` is exactly what a checkpoint holds besides the tensors' states.
+(tasks.py). `TrainState` (state.py) is exactly what a checkpoint holds besides the tensors'
+states. The collaborators (validation.py, saver.py, stagelog.py, earlystop.py, layout.py) get
+what they need as arguments (state.py's StageFiles and StageSetup are frozen) and return what
+they change; only this file changes the trainer.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import socket
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -25,62 +28,35 @@ from tqdm import tqdm
 
 from ddpflow.config import Config, config_hash
 from ddpflow.core import lazydynamo
-from ddpflow.core.errors import UserError, nondeterministic
+from ddpflow.core.errors import nondeterministic
 from ddpflow.data import prepared
-from ddpflow.data.mixing import Recipe, progressive_sizes
-from ddpflow.data.pipeline import close_workers, open_pipeline
-from ddpflow.engine import checkpoint, distributed, earlystop, layout, runtime, stopflag
-from ddpflow.engine.efficiency import FlopCount, GpuSampler, peak_flops, replica_flops, replicas
-from ddpflow.engine.ema import open_ema
+from ddpflow.data.pipeline import close_workers
+from ddpflow.engine import checkpoint, distributed, earlystop, runtime, stagelog, stopflag
+from ddpflow.engine.build import data_parts, model_parts, optimizer_parts, stage_setup
+from ddpflow.engine.efficiency import FlopCount, GpuSampler, replica_flops, replicas
 from ddpflow.engine.runtime import (
     StopPoll,
-    build_optimizer,
-    lr_factor,
-    mixed_precision,
-    schedule,
     trace_file,
 )
-from ddpflow.engine.saver import Saver, restore
-from ddpflow.engine.stagelog import interval_record, write_results
+from ddpflow.engine.saver import Saver, checkpoint_state, restore
+from ddpflow.engine.stagelog import interval_record
+from ddpflow.engine.state import StageEnd, StageFiles, TrainState
+from ddpflow.engine.step import StepCounters, micro_step, update
 from ddpflow.engine.tune import stage_settings
-from ddpflow.engine.validation import VAL_BATCH_FACTOR, stage_metrics, test_metrics
-from ddpflow.engine.weights import start_weights
+from ddpflow.engine.validation import Validator, best_after
 from ddpflow.results.metrics import MetricsLog
-from ddpflow.results.provenance import init_source, make_record
+from ddpflow.results.provenance import make_record
 from ddpflow.results.wallclock import WallClock, process_start
-from ddpflow.seams.models import build_model, forward, input_channels, param_count, unwrap
-from ddpflow.seams.tasks import build_task, check_loss, improves, monitor
+from ddpflow.seams.models import param_count, unwrap
 from ddpflow.seams.userimport import add_code_dirs
 from ddpflow.tracking.profiling import open_profiler
 from ddpflow.tracking.trackers import open_trackers
-
-
-@dataclass
-class TrainState:
-    """Where training is: saved into every checkpoint, restored from it in one place."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0  # epochs validated
-    step_in_epoch: int = 0  # micro-batches of the current epoch already trained
-    elapsed_s: float = 0.0  # training seconds before this process started
-    best: dict = field(default_factory=dict)  # monitor, mode, value, step, epoch, metrics
-    loss_sum: float = 0.0  # summed loss of the log interval in progress
-    loss_count: int = 0  # optimizer steps in that sum
-    skipped_steps: int = 0  # fp16 steps the GradScaler skipped
-    wall_s: dict = field(default_factory=dict)  # earlier processes' wall split (wallclock.py)
-    runs: int = 0  # earlier processes of this stage that left a checkpoint
-    stop: dict = field(default_factory=dict)  # early stopping's counters and decision
-
-    @classmethod
-    def from_checkpoint(cls, state: dict) -> "TrainState":
-        return cls(**{k: state[k] for k in cls.__dataclass_fields__ if k in state})
 
 
 class Trainer:
     def __init__(self, cfg: Config, stage: str, halt_after_steps: int | None = None):
         self.cfg, self.st = cfg, cfg.stage(stage)
         self.out = cfg.stage_dir(self.st.name)
-        self.ckpt_dir = self.out / "checkpoints"
         self.halt_after_steps = halt_after_steps
         self.state = TrainState()
         self.diverged: str | None = None  # the reason, once a NaN/inf loss was seen on a rank
@@ -90,7 +66,6 @@ class Trainer:
         self.clock = WallClock()
         self.clock.marks["rank_process"] = round(process_start() - self.clock.t0, 4)
         self.clock.mark("rank_imports")
-        self.saver = Saver(self)
         self.best_due = False  # best.pt is written with the next save
 
     def say(self, msg: str) -> None:
@@ -111,68 +86,40 @@ class Trainer:
         self.settings = stage_settings(cfg, st, d.device, self.say)
         self.batch_size, self.tuned = self.settings.batch_size, self.settings.tuned
         self.precision, self.compile = self.settings.precision, self.settings.compile
-        self.channels_last = self.settings.channels_last
         self.meta = prepared.read_meta(cfg.data_dir) or prepared.load(cfg.data_dir)[0]
-        self.data = open_pipeline(cfg, d, self.meta, self.batch_size, self.tuned,
-                                  lambda c: input_channels(cfg.model.name, c),
-                                  self.channels_last is True, trace=trace_file(d.rank),
-                                  recipe=Recipe(st.random_erasing, st.mixup_alpha,
-                                                st.cutmix_alpha))
-        self.say(f"loader: {self.data.kind} ({self.data.reason})")
+        self.data, self.steps_per_epoch, self.total_steps = data_parts(
+            cfg, st, d, self.meta, self.settings, trace_file(d.rank), self.say)
         self.clock.mark("data")
         self.accum = st.grad_accum_steps
-        self.steps_per_epoch = len(self.data.train) // self.accum  # a partial group is dropped
-        if self.steps_per_epoch == 0:
-            raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size {self.batch_size} x "
-                            f"{d.world} ranks x {self.accum} accumulation exceeds the "
-                            f"{self.data.train_samples} training samples; lower the batch size")
-        self.total_steps = st.max_steps or st.epochs * self.steps_per_epoch
-        if st.progressive_resize:  # training size per epoch; validation keeps its size
-            self.data.train.size_at = progressive_sizes(
-                st.progressive_resize, -(-self.total_steps // self.steps_per_epoch))
         self.global_batch = self.batch_size * d.world * self.accum
-        self.val_batch = VAL_BATCH_FACTOR * self.batch_size  # per rank; halved on a GPU OOM
-        self.build_model()
-        self.build_optimizer()
+        parts = model_parts(cfg, st, d, self.data, self.batch_size, self.precision,
+                            self.compile, self.settings.channels_last, self.say)
+        self.model, self.train_model, self.ema = parts.model, parts.train_model, parts.ema
+        self.task, self.monitor, self.mode = parts.task, parts.monitor, parts.mode
+        self.lr, self.opt, self.sched, self.scaler, self.autocast = optimizer_parts(
+            self.model, st, self.global_batch, self.steps_per_epoch, self.total_steps,
+            self.precision, d.device)
+        self.fixed = stage_setup(parts, d, st, self.data, self.settings, self.accum,
+                                 self.global_batch, self.lr)
+        self.validator = Validator(d, self.task, cfg.task.name, self.autocast, self.batch_size,
+                                   self.say)
+        self.stop_rule = earlystop.stop_rule(st.stop, f"stages.{cfg.stage_index(st.name)}",
+                                             self.task, cfg.task.name, self.monitor, self.mode)
         self.clock.mark("model")
-        self.resume()
+        self.resume(parts.init_src)
         self.clock.mark("resume")
 
-    def build_model(self) -> None:
-        cfg, st, d = self.cfg, self.st, self.d
-        in_ch = self.data.in_channels and input_channels(cfg.model.name, self.data.in_channels)
-        model = build_model(cfg.model, self.data.num_classes, in_ch)
-        self.task = build_task(cfg, st, self.data.num_classes)
-        self.monitor, self.mode = monitor(cfg, self.task)
-        self.init_src = init_source(cfg, st.name)
-        self.init_report = start_weights(cfg, st, model, self.init_src, self.say)
-        model.to(d.device)
-        # channels_last true/false, or auto (layout.py); the inputs follow the model
-        self.channels_last, self.layout_reason = layout.for_trainer(self, model, in_ch)
-        if self.channels_last:
-            model.to(memory_format=torch.channels_last)
-        # DDP across ranks (DataParallel for strategy dp, a baseline only)
-        self.model = model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn,
-                                              cfg.deterministic)
-        self.train_model = torch.compile(model) if self.compile else model
-        self.ema = open_ema(st, unwrap(model))  # None unless stages[].ema.decay is set
-
-    def build_optimizer(self) -> None:
-        st, d = self.st, self.d
-        self.lr = st.lr * lr_factor(st.lr_scaling, self.global_batch, st.lr_reference_batch)
-        self.opt = build_optimizer(self.model, st, self.lr, d.device)  # fused where possible
-        warmup = round(st.warmup_epochs * self.steps_per_epoch)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, schedule(st.schedule, warmup, self.total_steps))
-        self.scaler, self.autocast = mixed_precision(self.precision, d.device)
-
-    def resume(self) -> None:
+    def resume(self, init_src) -> None:
         """Continue from the newest valid checkpoint of these very inputs (its record)."""
         cfg, d = self.cfg, self.d
-        self.record = make_record(cfg, self.st.name, self.meta["fingerprint"],
-                                  checkpoint.sha256_of(self.init_src) if self.init_src else None)
-        self.resume_key = config_hash(self.record)
-        found = restore(self) if cfg.checkpoint.resume == "auto" else None
+        record = make_record(cfg, self.st.name, self.meta["fingerprint"],
+                             checkpoint.sha256_of(init_src) if init_src else None)
+        self.files = StageFiles(self.st.name, self.out, cfg.to_dict(), cfg.hash,
+                                cfg.stage_hash(self.st.name), record, config_hash(record),
+                                self.monitor, self.mode)
+        self.saver = Saver(self.files, cfg.checkpoint.keep_last, cfg.checkpoint.background)
+        found = (restore(self.files, d, unwrap(self.model), self.opt, self.sched, self.scaler,
+                         self.ema) if cfg.checkpoint.resume == "auto" else None)
         if found:
             path, saved = found
             self.state = TrainState.from_checkpoint(saved)
@@ -181,11 +128,12 @@ class Trainer:
         distributed.gather_objects(d, None)  # barrier: every rank has read its checkpoint
         if d.is_master:
             (self.out / "failed.json").unlink(missing_ok=True)
-            checkpoint.remove_partial(self.ckpt_dir)  # temp files of a killed write
+            checkpoint.remove_partial(self.files.ckpt_dir)  # temp files of a killed write
             if not found:
-                checkpoint.set_aside(self.ckpt_dir)  # never mix with a stale run's checkpoints
+                # never mix with a stale run's checkpoints
+                checkpoint.set_aside(self.files.ckpt_dir)
         self.trackers = (open_trackers(self.cfg, self.st.name, self.state.step,
-                                       self.resume_key) if d.is_master else None)
+                                       self.files.resume_key) if d.is_master else None)
         self.log = (MetricsLog(self.out / "metrics.jsonl", keep_until_step=self.state.step,
                                tracker=self.trackers) if d.is_master else None)
 
@@ -231,19 +179,11 @@ class Trainer:
                         file=sys.stderr, disable=not d.is_master or None, dynamic_ncols=True,
                         mininterval=1.0)
         self.t_start = time.perf_counter()
-        # summed on the device in float64 (no sync per step); restored exactly on resume
-        self.loss_sum = torch.tensor(s.loss_sum, dtype=torch.float64, device=d.device)
-        self.step_dev = torch.tensor(s.step + 1, device=d.device)  # the step being computed
-        self.first_bad = torch.tensor(-1, device=d.device)  # first step with a NaN/inf loss
-        self.skipped = torch.tensor(s.skipped_steps, device=d.device)  # fp16 skipped steps
+        self.counters = StepCounters(s, d.device)  # summed on the device: no sync per step
         self.in_epoch = s.step_in_epoch // self.accum
         self.first_interval = True
         self.flops_per_micro = None  # FLOPs of one micro-batch, forward + backward, once
-        self.peak = peak_flops(d.device, self.precision)  # per GPU, or None (CPU, unknown)
-        # the GPUs this process drives: its own, or DataParallel's (MFU counts them all)
-        self.devices = ([torch.device("cuda", i) for i in self.model.device_ids]
-                        if replicas(self.model) > 1 else [d.device])
-        self.gpu = GpuSampler(self.devices) if d.is_master else None
+        self.gpu = GpuSampler(list(self.fixed.devices)) if d.is_master else None
         self.stop_poll = StopPoll(self.cfg.stop_check_s, s.step)
         self.prof = open_profiler(self.cfg, self.st.name, d.rank, d.device, self.out)
         self.clock.lap("startup")  # start-up ends here: the loop asks for its first batch
@@ -266,7 +206,8 @@ class Trainer:
                 if self.halted:
                     return
             else:
-                stop_now = self.poll_stop()
+                # every ~stop_check_s seconds between log lines: a small collective
+                stop_now = self.stop_poll.poll(self.d, s.step, self.interval)
             if stop_now:  # preemption: every rank stops at the same step
                 self.say(f"{stopflag.received() or 'signal'} received: checkpoint at step "
                          f"{s.step}")
@@ -295,49 +236,30 @@ class Trainer:
             n_replicas = replicas(model) if counting else 1
             if n_replicas > 1:  # DataParallel's threads: counted apart
                 self.flops_per_micro = replica_flops(unwrap(model), batch, self.batch_size,
-                                                     n_replicas, self.micro_step)
+                                                     n_replicas, self.micro)
             counter = FlopCount() if self.flops_per_micro is None else nullcontext()
             # the counted micro-batch runs on the uncompiled model: Dynamo does not compile a
             # frame while a dispatch mode (the FLOP counter) is active
             net = model if counting else self.train_model
             with counter, nullcontext() if last else model.no_sync():
-                loss = self.micro_step(net, batch, check=counting)
+                loss = self.micro(net, batch, check=counting)
             if self.flops_per_micro is None:
                 self.flops_per_micro = counter.total
-            self.loss_sum += loss.detach()
-            # remember the first step whose loss is not finite (device ops, no sync)
-            self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(loss.detach()),
-                                         self.step_dev, self.first_bad)
-        if self.st.grad_clip:
-            self.scaler.unscale_(self.opt)
-            nn.utils.clip_grad_norm_(model.parameters(), self.st.grad_clip)
-        scale_before = self.scaler._scale.clone() if self.scaler.is_enabled() else None
-        self.scaler.step(self.opt)  # skips the step when fp16 gradients overflowed
-        self.scaler.update()
-        if scale_before is not None:  # a skipped step lowered the scale: count it
-            self.skipped += (self.scaler._scale < scale_before).squeeze()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+            self.counters.add_loss(loss)
+        update(model, self.opt, self.sched, self.scaler, self.st.grad_clip, self.counters)
         s.step += 1
         if self.ema:
             self.ema.update(unwrap(model), s.step)
         s.loss_count += 1
-        self.step_dev += 1
         self.in_epoch += 1
         self.interval[2] += 1
         self.bar.update(1)
         if "first_step" not in self.clock.marks:
             self.clock.mark("first_step")  # host side: the step's kernels may still be queued
 
-    def micro_step(self, net: nn.Module, batch, check: bool = False) -> torch.Tensor:
-        """Forward, loss and backward of one micro-batch; the loss (scaled for accumulation)."""
-        with self.autocast:
-            loss = self.task.loss(forward(net, batch[0]), batch)
-            if check:
-                check_loss(loss, self.cfg.task.name)
-            loss = loss / self.accum
-        self.scaler.scale(loss).backward()
-        return loss
+    def micro(self, net: nn.Module, batch, check: bool = False) -> torch.Tensor:
+        return micro_step(net, batch, self.task, self.autocast, self.scaler, self.accum,
+                          self.cfg.task.name if check else None)
 
     def log_interval(self) -> bool:
         """Sync point: the interval's loss to the host and one collective of per-rank
@@ -345,8 +267,8 @@ class Trainer:
         s, d = self.state, self.d
         # sync point first: .item() waits for the interval's queued kernels, and only then is
         # the clock read (read before, samples/s and MFU would count unfinished work)
-        loss_value = float(self.loss_sum.item()) / s.loss_count
-        first_bad = float(self.first_bad.item())
+        loss_value = float(self.counters.loss_sum.item()) / s.loss_count
+        first_bad = float(self.counters.first_bad.item())
         now = time.perf_counter()
         t0, wait, n = self.interval
         dt = now - t0
@@ -358,26 +280,19 @@ class Trainer:
             self.halted = True
             return False
         if d.is_master:
-            self.log.write(interval_record(self, per_rank, dt, wait, n, loss_value, now))
+            self.log.write(interval_record(
+                s, self.fixed, per_rank, dt, wait, n, loss=loss_value,
+                lr=self.sched.get_last_lr()[0], flops_per_micro=self.flops_per_micro,
+                gpu=self.gpu.interval(), skipped=int(self.counters.skipped.item()),
+                grad_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
+                warmup=self.first_interval, time_s=s.elapsed_s + now - self.t_start))
             self.bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
-        self.loss_sum.zero_()
+        self.counters.loss_sum.zero_()
         s.loss_count = 0
         self.first_interval = False
         self.interval = [time.perf_counter(), 0.0, 0]
         self.stop_poll.seen(s.step, max(r[0] for r in per_rank))
         return any(r[3] > 0 for r in per_rank)
-
-    def poll_stop(self) -> bool:
-        """Every ~stop_check_s seconds between log lines, a small collective (a sync
-        point): has any rank been asked to stop?"""
-        if not self.stop_poll.due(self.state.step):
-            return False
-        t0, _, n = self.interval
-        per_rank = distributed.all_gather_floats(
-            self.d, [(time.perf_counter() - t0) / max(n, 1),
-                     1.0 if stopflag.received() else 0.0])
-        self.stop_poll.seen(self.state.step, max(r[0] for r in per_rank))
-        return any(r[1] > 0 for r in per_rank)
 
     def divergence(self, bad_steps: list[int], loss_value: float | str = "NaN/inf") -> str:
         return (f"loss became {loss_value} at step {min(bad_steps)} (epoch "
@@ -390,9 +305,12 @@ class Trainer:
         decides best.pt."""
         d, s = self.d, self.state
         self.clock.lap("train", sync=d.device)  # sync point: queued steps count as training
-        metrics = stage_metrics(self)  # at the largest batch that fits: sync points
-        self.update_best(metrics)
-        earlystop.check(self, metrics)  # the same decision on every rank: no collective
+        metrics = self.validator.stage_metrics(unwrap(self.train_model), self.ema,
+                                               self.data.val)  # sync points
+        best = best_after(metrics, self.state, self.monitor, self.mode, self.cfg.task.name)
+        if best:
+            self.state.best, self.best_due = best, True  # best.pt: with the next save
+        self.early_stop(metrics)
         if d.is_master:
             self.log.write({"kind": "val", "step": s.step, "epoch": s.epoch, **metrics,
                             "time_s": s.elapsed_s + time.perf_counter() - self.t_start})
@@ -400,14 +318,17 @@ class Trainer:
             self.say(f"epoch {s.epoch}: {shown}")
         self.clock.lap("validation")
 
-    def update_best(self, metrics: dict) -> None:
+    def early_stop(self, metrics: dict) -> None:
+        """Early stopping's record after a validation: the same decision on every rank (all
+        see the same all-reduced metrics), no collective."""
         s = self.state
-        if improves(metrics, self.monitor, self.mode, s.best.get("value"), self.cfg.task.name):
-            s.best = {"monitor": self.monitor, "mode": self.mode,
-                      "value": metrics[self.monitor], "step": s.step, "epoch": s.epoch,
-                      "metrics": metrics}
-            self.best_due = True  # written with the save that follows this validation
-        self.last_metrics = metrics
+        now = time.perf_counter()
+        at = {"step": s.step, "epoch": s.epoch + 1,
+              "train_time_s": s.elapsed_s + now - self.t_start,
+              "wall_time_s": time.time() - self.clock.t0 + sum(s.wall_s.values())}
+        s.stop = earlystop.check(self.stop_rule, s.stop, metrics, at)
+        if "stopped" in s.stop:
+            self.say(f"stopping early at step {s.step}: {s.stop['stopped']['reason']}")
 
     # ------------------------------------------------------------------ checkpoint, finish
     def checkpoint(self, ckpt: bool = True) -> bool:
@@ -417,31 +338,51 @@ class Trainer:
         self.clock.lap("train")
         # a collective (every rank's RNG state, first bad step): a sync point
         gathered = distributed.gather_objects(
-            d, (distributed.rng_state(d.device), int(self.first_bad.item())))
+            d, (distributed.rng_state(d.device), int(self.counters.first_bad.item())))
         bad_steps = [g[1] for g in gathered if g[1] >= 0]
         if bad_steps:  # never save weights that a NaN/inf loss has already touched
             self.diverged = self.divergence(bad_steps)
             return False
         if d.is_master:  # the host copy blocks; the files are written in the background
-            self.saver.save(gathered, ckpt, dict(s.best) if self.best_due else None)
+            state = (checkpoint_state(self.now(), self.files, self.opt, self.sched, self.scaler,
+                                      [g[0] for g in gathered]) if ckpt else None)
+            self.saver.save(unwrap(self.model).state_dict(), self.ema, state,
+                            dict(s.best) if self.best_due else None)
         self.best_due = False
         self.clock.lap("checkpoint")
         return True
+
+    def now(self) -> TrainState:
+        """TrainState as of this step, with the device counters read (sync points)."""
+        s = self.state
+        return replace(s, step_in_epoch=self.in_epoch * self.accum,
+                       elapsed_s=s.elapsed_s + time.perf_counter() - self.t_start,
+                       loss_sum=float(self.counters.loss_sum.item()),
+                       skipped_steps=int(self.counters.skipped.item()),
+                       wall_s=self.clock.total(s.wall_s), runs=s.runs + 1)
 
     def finish(self) -> None:
         """failed.json, or final.pt and summary.json (only for a finished stage)."""
         # the test split, once, after the last validation and save: nothing selects on it
         if self.data.test and not (self.diverged or self.halted):
-            self.test_metrics = test_metrics(self)  # all ranks: sync points
+            self.test_metrics = self.validator.test_metrics(  # all ranks: sync points
+                unwrap(self.model), self.ema, self.data.test)
             self.say("test: " + ", ".join(f"{k} {v:.4f}" for k, v in self.test_metrics.items()))
         # every rank's weights, hashed and gathered (with its host): DDP must have kept
         # them identical, on one node or several
         pairs = distributed.gather_objects(self.d, (runtime.weights_sha256(
             unwrap(self.model)), socket.gethostname()))
-        self.weight_hashes = [h for h, _ in pairs]
-        self.rank_hosts = [host for _, host in pairs]
-        if self.d.is_master:
-            write_results(self)  # failed.json, or final.pt and summary.json; trackers closed
+        if not self.d.is_master:
+            return
+        end = StageEnd(
+            diverged=self.diverged, halted=self.halted, test_metrics=self.test_metrics,
+            weight_hashes=[h for h, _ in pairs], rank_hosts=[host for _, host in pairs],
+            train_time_s=self.state.elapsed_s + time.perf_counter() - self.t_start,
+            flops_per_micro=self.flops_per_micro, skipped=int(self.counters.skipped.item()),
+            model=unwrap(self.model).state_dict(), ema=self.ema.weights() if self.ema else None)
+        # failed.json, or final.pt and summary.json; the trackers closed
+        stagelog.write_results(self.files, self.fixed, self.state, end, self.clock, self.log,
+                               self.saver, self.trackers, self.say)
 
 
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:

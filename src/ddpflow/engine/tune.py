@@ -24,7 +24,6 @@ precision: auto and data.loader: auto use it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -34,12 +33,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpflow.config import Config, StageCfg
+from ddpflow.core import reading
 from ddpflow.core.errors import UserError
+from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.crops import center_crop
 from ddpflow.data.loaders import Normalize, TrainBatches, choose_loader, forever
 from ddpflow.data.prepare import settings_fingerprint
-from ddpflow.data.prepared import write_json_atomic
 from ddpflow.engine import distributed
 from ddpflow.engine.runtime import build_optimizer, pick_precision
 from ddpflow.engine.stepmemory import (
@@ -50,6 +50,7 @@ from ddpflow.engine.stepmemory import (
     memory_budget,
     step_memory,
 )
+from ddpflow.seams.contract import probe
 from ddpflow.seams.models import build_model, input_channels
 
 
@@ -69,14 +70,37 @@ def tune_settings(cfg: Config, st: StageCfg) -> dict:
             "grad_accum_steps": st.grad_accum_steps}
 
 
+# tune.json as its readers use it (core/reading.py validates it before any field is used)
+TUNE_SCHEMA = {
+    "type": "object", "required": ["choice"],
+    "properties": {
+        "settings": {"type": ["object", "null"]},
+        "choice": {"type": "object",
+                   "required": ["batch_size", "loader", "num_workers", "prefetch_factor",
+                                "precision", "channels_last", "compile"],
+                   "properties": {
+                       "batch_size": {"type": "integer", "minimum": 1},
+                       "loader": {"enum": ["device", "dataloader"]},
+                       "num_workers": {"type": "integer", "minimum": 0, "maximum": 1024},
+                       "prefetch_factor": {"type": ["integer", "null"], "minimum": 1},
+                       "precision": {"enum": ["bf16", "fp16", "fp32"]},
+                       "channels_last": {"type": "boolean"},
+                       "compile": {"type": "boolean"}}}}}
+
+
 def load_choice(cfg: Config, st: StageCfg) -> tuple[dict | None, str | None]:
     """(tune.json's choice, None) when it was measured for this stage's settings;
-    (None, why not) when it exists but was measured for others; (None, None) without one."""
+    (None, why not) when it exists but was measured for others or is damaged (the reason
+    names the file and field: the caller refuses when it needs the file, else warns);
+    (None, None) without one."""
     try:
-        t = json.loads(tune_path(cfg).read_text())
-        choice = t["choice"]
-    except (OSError, ValueError, KeyError, TypeError):
+        t = reading.read_json_if_present(tune_path(cfg), TUNE_SCHEMA, "ddpflow tune's result",
+                                         "run `ddpflow tune` again")
+    except UserError as e:
+        return None, str(e)
+    if t is None:
         return None, None
+    choice = t["choice"]
     want = tune_settings(cfg, st)
     got = t.get("settings") or {}
     differ = [k for k in want if got.get(k) != want[k]]
@@ -266,7 +290,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     images, labels = arrays["train"]
     in_ch = input_channels(cfg.model.name, meta["image_shape"][2])
     precision = pick_precision("auto" if st.precision == "auto" else st.precision, d.device)
-    base = build_model(cfg.model, meta["num_classes"], in_ch).to(d.device)
+    base = build_model(cfg.model, meta["num_classes"], in_ch, probe(cfg, meta)).to(d.device)
     free = memory_budget(d, cap_mb)
     # the device loader only where training would allow it; then the dataset (train and
     # val, as it keeps them) is on the device, and the steps get what is left

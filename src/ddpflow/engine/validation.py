@@ -8,61 +8,100 @@ from __future__ import annotations
 import torch
 
 from ddpflow.engine import distributed
-from ddpflow.seams.models import forward, unwrap
-from ddpflow.seams.tasks import MetricSums
+from ddpflow.seams.models import forward
+from ddpflow.seams.tasks import improves, metric_pairs
 
 VAL_BATCH_FACTOR = 4
 
 
-def stage_metrics(t) -> dict[str, float]:
-    """Validation of trainer `t`'s weights: the ones the stage hands on as val_<metric> (the
-    EMA's when stages[].ema is on, then the trained ones as val_raw_<metric>)."""
-    d = t.d
-    net = unwrap(t.train_model).eval()  # plain module: ranks see different counts
-    distributed.broadcast_buffers(d, net)  # every rank validates with rank 0's BN stats
-    metrics = val_metrics(t, net)
-    if t.ema:
-        raw = metrics
-        distributed.broadcast_buffers(d, t.ema.module)  # rank 0's, as saved
-        metrics = val_metrics(t, t.ema.module.eval())
-        metrics.update({f"val_raw_{k[4:]}": v for k, v in raw.items()})
-    return metrics
-
-
-def test_metrics(t) -> dict[str, float]:
-    """The test split, once, on the weights the stage hands on (the EMA's when on), as
-    test_<metric>. Nothing selects on it: it runs after the last validation and save."""
-    net = t.ema.module if t.ema else unwrap(t.train_model)
-    distributed.broadcast_buffers(t.d, net)
-    metrics = val_metrics(t, net.eval(), t.data.test)
-    return {f"test_{k[4:]}": v for k, v in metrics.items()}
-
-
-def val_metrics(t, net, split=None) -> dict[str, float]:
-    """The task's metrics over the validation split of trainer `t` (or `split`: batches by
-    batch size), summed on each rank and all-reduced (sync points); `t.val_batch` (per
-    rank) is halved for good after an OOM."""
-    d = t.d
-    while True:
-        sums = _sums(t, net, split or t.data.val)
-        # sync point: one rank out of memory means every rank starts again, smaller
-        if not any(r[0] for r in distributed.all_gather_floats(d, [float(sums is None)])):
-            return sums.reduce(d)  # one gather of names, one all-reduce: a sync point
-        t.val_batch = max(t.batch_size, t.val_batch // 2)
-        torch.cuda.empty_cache()
-        t.say(f"validation ran out of GPU memory; again at {t.val_batch} per rank")
-
-
-def _sums(t, net, split) -> MetricSums | None:
-    """This rank's metric sums, or None when its GPU ran out of memory (and the batch can
-    still shrink)."""
-    sums = MetricSums(t.task, t.cfg.task.name, t.d.device)
-    try:
-        with torch.no_grad(), t.autocast:
-            for batch in split(t.val_batch):
-                sums.add(forward(net, batch[0]), batch)
-    except torch.cuda.OutOfMemoryError:
-        if t.val_batch <= t.batch_size:
-            raise
+def best_after(metrics: dict, s, monitor: str, mode: str, task_name: str) -> dict | None:
+    """TrainState.best after a validation (`s`: TrainState) when the monitored metric
+    improved on it, else None."""
+    if not improves(metrics, monitor, mode, s.best.get("value"), task_name):
         return None
-    return sums
+    return {"monitor": monitor, "mode": mode, "value": metrics[monitor], "step": s.step,
+            "epoch": s.epoch, "metrics": metrics}
+
+
+class Validator:
+    """Scores weights with the task over a split, on every rank. Owns the validation batch
+    per rank (`batch`), which starts at VAL_BATCH_FACTOR x the training batch and is halved
+    for good after a GPU OOM, never below the training batch."""
+
+    def __init__(self, d, task, task_name: str, autocast, train_batch: int, say):
+        self.d, self.task, self.task_name, self.autocast = d, task, task_name, autocast
+        self.train_batch, self.batch, self.say = train_batch, VAL_BATCH_FACTOR * train_batch, say
+
+    def stage_metrics(self, model, ema, split) -> dict[str, float]:
+        """The metrics of the weights the stage hands on, as val_<metric> (the EMA's when
+        `ema` is on, then the trained ones' as val_raw_<metric>). `model`: the plain module."""
+        net = model.eval()  # plain module: ranks see different counts
+        distributed.broadcast_buffers(self.d, net)  # every rank validates with rank 0's BN stats
+        metrics = self.metrics(net, split)
+        if ema:
+            raw = metrics
+            distributed.broadcast_buffers(self.d, ema.module)  # rank 0's, as saved
+            metrics = self.metrics(ema.module.eval(), split)
+            metrics.update({f"val_raw_{k[4:]}": v for k, v in raw.items()})
+        return metrics
+
+    def test_metrics(self, model, ema, split) -> dict[str, float]:
+        """The test split, once, on the weights the stage hands on (the EMA's when on), as
+        test_<metric>. Nothing selects on it: it runs after the last validation and save."""
+        net = ema.module if ema else model
+        distributed.broadcast_buffers(self.d, net)
+        metrics = self.metrics(net.eval(), split)
+        return {f"test_{k[4:]}": v for k, v in metrics.items()}
+
+    def metrics(self, net, split) -> dict[str, float]:
+        """The task's metrics of `net` over `split` (batches by batch size), summed on each
+        rank and all-reduced (sync points)."""
+        while True:
+            sums = self._sums(net, split)
+            # sync point: one rank out of memory means every rank starts again, smaller
+            if not any(r[0] for r in distributed.all_gather_floats(self.d, [float(sums is None)])):
+                return sums.reduce(self.d)  # one gather of names, one all-reduce: a sync point
+            self.batch = max(self.train_batch, self.batch // 2)
+            torch.cuda.empty_cache()
+            self.say(f"validation ran out of GPU memory; again at {self.batch} per rank")
+
+    def _sums(self, net, split) -> MetricSums | None:
+        """This rank's metric sums, or None when its GPU ran out of memory (and the batch can
+        still shrink)."""
+        sums = MetricSums(self.task, self.task_name, self.d.device)
+        try:
+            with torch.no_grad(), self.autocast:
+                for batch in split(self.batch):
+                    sums.add(forward(net, batch[0]), batch)
+        except torch.cuda.OutOfMemoryError:
+            if self.batch <= self.train_batch:
+                raise
+            return None
+        return sums
+
+
+class MetricSums:
+    """A task's validation metrics: (sum, count) per name, added up on the device, summed
+    across ranks once by `reduce`, reported as {"val_<name>": sum / count}."""
+
+    def __init__(self, task, task_name: str, device):
+        self.task, self.task_name, self.device = task, task_name, device
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, outputs, batch) -> None:
+        values = dict(metric_pairs(self.task.metrics(outputs, batch), self.task_name))
+        if "loss" not in values:  # the training loss, weighted by the batch size
+            n = next(iter(values.values()))[1] if values else len(batch[1])
+            values["loss"] = (self.task.loss(outputs, batch).float() * n, n)
+        for name, (total, count) in values.items():
+            pair = torch.stack([torch.as_tensor(total, device=self.device).double(),
+                                torch.as_tensor(count, device=self.device).double()])
+            self.sums[name] = self.sums[name] + pair if name in self.sums else pair
+
+    def reduce(self, d) -> dict[str, float]:
+        # ranks agree on the names first: a rank without validation batches has none
+        names = sorted(set().union(*distributed.gather_objects(d, sorted(self.sums))))
+        zero = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = distributed.all_sum(d, torch.stack([self.sums.get(k, zero) for k in names]))
+        return {f"val_{k}": (t / c if c else float("nan"))
+                for k, (t, c) in zip(names, totals.tolist())}

@@ -1,0 +1,112 @@
+"""A training stage's parts, built from the config for one rank: the model (placed, laid out,
+wrapped for DDP, compiled), its task and starting weights, the optimizer, schedule and
+precision, and the frozen StageSetup that the log lines and summary.json report.
+
+Each builder takes what it needs and returns what it made; train.py's `Trainer.setup` calls
+them in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddpflow.core.errors import UserError
+from ddpflow.data.mixing import Recipe, progressive_sizes
+from ddpflow.data.pipeline import open_pipeline
+from ddpflow.engine import distributed, layout
+from ddpflow.engine.efficiency import peak_flops, replicas
+from ddpflow.engine.ema import Ema, open_ema
+from ddpflow.engine.runtime import build_optimizer, lr_factor, mixed_precision, schedule
+from ddpflow.engine.state import StageSetup
+from ddpflow.engine.weights import start_weights
+from ddpflow.results.provenance import init_source
+from ddpflow.seams.models import build_model, input_channels, param_count, unwrap
+from ddpflow.seams.tasks import build_task, monitor
+
+
+def data_parts(cfg, st, d, meta: dict, settings, trace, say) -> tuple:
+    """This rank's data pipeline (data/pipeline.py), its optimizer steps per epoch and the
+    stage's total steps. A batch larger than the training split is a user mistake."""
+    data = open_pipeline(cfg, d, meta, settings.batch_size, settings.tuned,
+                         lambda c: input_channels(cfg.model.name, c),
+                         settings.channels_last is True, trace=trace,
+                         recipe=Recipe(st.random_erasing, st.mixup_alpha, st.cutmix_alpha))
+    say(f"loader: {data.kind} ({data.reason})")
+    steps_per_epoch = len(data.train) // st.grad_accum_steps  # a partial group is dropped
+    if steps_per_epoch == 0:
+        raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size {settings.batch_size} x "
+                        f"{d.world} ranks x {st.grad_accum_steps} accumulation exceeds the "
+                        f"{data.train_samples} training samples; lower the batch size")
+    total_steps = st.max_steps or st.epochs * steps_per_epoch
+    if st.progressive_resize:  # training size per epoch; validation keeps its size
+        data.train.size_at = progressive_sizes(st.progressive_resize,
+                                               -(-total_steps // steps_per_epoch))
+    return data, steps_per_epoch, total_steps
+
+
+@dataclass
+class ModelParts:
+    model: torch.nn.Module  # wrapped: DDP (or DataParallel for strategy dp)
+    train_model: torch.nn.Module  # what the step runs: the compiled model, or `model`
+    ema: Ema | None
+    task: object
+    monitor: str  # the metric that chooses best.pt, and its mode
+    mode: str
+    init_src: object  # the file the stage starts from (provenance), or None
+    init_report: dict | None
+    channels_last: bool
+    layout_reason: str
+
+
+def model_parts(cfg, st, d, data, batch_size: int, precision: str, compile_: bool,
+                channels_last, say) -> ModelParts:
+    """The stage's model on this rank's device, with its starting weights, layout (the data
+    pipeline follows it) and wrapper; its task and monitor."""
+    in_ch = data.in_channels and input_channels(cfg.model.name, data.in_channels)
+    model = build_model(cfg.model, data.num_classes, in_ch)
+    task = build_task(cfg, st, data.num_classes)
+    mon, mode = monitor(cfg, task)
+    init_src = init_source(cfg, st.name)
+    init_report = start_weights(cfg, st, model, init_src, say)
+    model.to(d.device)
+    # channels_last true/false, or auto (layout.py); the inputs follow the model
+    on, why = layout.for_stage(channels_last, cfg, model, d, batch_size, in_ch, precision)
+    data.use_channels_last(on)
+    if on:
+        model.to(memory_format=torch.channels_last)
+    # DDP across ranks (DataParallel for strategy dp, a baseline only)
+    model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn, cfg.deterministic)
+    return ModelParts(model, torch.compile(model) if compile_ else model,
+                      open_ema(st, unwrap(model)),  # None unless stages[].ema.decay is set
+                      task, mon, mode, init_src, init_report, on, why)
+
+
+def optimizer_parts(model, st, global_batch: int, steps_per_epoch: int, total_steps: int,
+                    precision: str, device) -> tuple:
+    """(effective lr, optimizer, LR scheduler, GradScaler, autocast context)."""
+    lr = st.lr * lr_factor(st.lr_scaling, global_batch, st.lr_reference_batch)
+    opt = build_optimizer(model, st, lr, device)  # fused where possible
+    warmup = round(st.warmup_epochs * steps_per_epoch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(st.schedule, warmup, total_steps))
+    return (lr, opt, sched, *mixed_precision(precision, device))
+
+
+def stage_setup(parts: ModelParts, d, st, data, settings, accum: int, global_batch: int,
+                lr: float) -> StageSetup:
+    """The choices made in setup, frozen for the log lines and summary.json."""
+    model, plain = parts.model, unwrap(parts.model)
+    devices = ([torch.device("cuda", i) for i in model.device_ids]
+               if replicas(model) > 1 else [d.device])  # DataParallel: all its GPUs count
+    return StageSetup(
+        batch_size=settings.batch_size, accum=accum, world=d.world, device=d.device,
+        backend=d.backend, global_batch=global_batch,
+        precision=settings.precision, strategy=st.strategy,
+        wrapper=type(model).__name__ if model is not plain else None,
+        compile=settings.compile, tuned=settings.tuned, channels_last=parts.channels_last,
+        layout_reason=parts.layout_reason, loader=data.kind, loader_reason=data.reason, lr=lr,
+        init=parts.init_report, params=param_count(plain),
+        trainable_params=sum(p.numel() for p in plain.parameters() if p.requires_grad),
+        devices=tuple(devices), peak=peak_flops(d.device, settings.precision),
+        ema=parts.ema is not None)
