@@ -25,6 +25,7 @@ import yaml
 
 from ddpflow import __version__
 from ddpflow.config import from_dict, load_config
+from ddpflow.core import reading
 from ddpflow.core.errors import Stopped, UserError
 
 
@@ -73,11 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretend each device has only this much memory (one value, or one "
                         "per rank): for shared GPUs, and for tests without a GPU")
 
-    p = sub.add_parser("tune-rank", help="one rank's tuning (started by torchrun)")
-    p.add_argument("--resolved", required=True)
-    p.add_argument("--stage", required=True)
-    p.add_argument("--memory-cap-mb", default=None)
-
     p = sub.add_parser("sweep", help="a sweep's trials: plan them, or collect the leaderboard")
     p.add_argument("action", choices=["plan", "collect", "list"],
                    help="plan: check every trial and write its config; collect: leaderboard; "
@@ -89,16 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what this machine offers for training, and advice")
     _config_args(p)
 
+    _inference_commands(sub)
+    _rank_commands(sub)
+    return ap
+
+
+def _inference_commands(sub) -> None:
+    """evaluate, export and predict: what a finished stage's weights are used for."""
     p = sub.add_parser("evaluate", help="a finished stage's weights on a split or an "
                        "image folder: accuracy, per-class scores, confusion matrix")
     _config_args(p)
     _evaluate_args(p)
     p.add_argument("--allow-empty", action="store_true",
                    help="a split the data does not have is noted, not an error (workflow)")
-
-    p = sub.add_parser("evaluate-rank", help="one rank's evaluation (started by torchrun)")
-    p.add_argument("--resolved", required=True)
-    _evaluate_args(p)
 
     p = sub.add_parser("export", help="a stage's weights as safetensors, TorchScript and ONNX "
                        "with model.json, each checked against the model")
@@ -115,11 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (GPU when there is one) | cpu | cuda")
     p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER")
 
+
+def _rank_commands(sub) -> None:
+    """What torchrun starts on each rank (train, tune-rank, evaluate-rank)."""
+    p = sub.add_parser("tune-rank", help="one rank's tuning (started by torchrun)")
+    p.add_argument("--resolved", required=True)
+    p.add_argument("--stage", required=True)
+    p.add_argument("--memory-cap-mb", default=None)
+
+    p = sub.add_parser("evaluate-rank", help="one rank's evaluation (started by torchrun)")
+    p.add_argument("--resolved", required=True)
+    _evaluate_args(p)
+
     p = sub.add_parser("train", help="one rank's training (started by torchrun)")
     p.add_argument("--resolved", required=True, help="resolved config JSON written by launch")
     p.add_argument("--stage", required=True)
     p.add_argument("--halt-after-steps", type=int, default=None)
-    return ap
 
 
 def _evaluate_args(p: argparse.ArgumentParser) -> None:
@@ -158,17 +168,12 @@ def _stop_raises():
 
 def _resolved(path: str):
     """The resolved config that `ddpflow launch` wrote for the ranks."""
-    import json
-
     if "RANK" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         raise UserError("RANK/WORLD_SIZE are set but this process was not started by torchrun; "
                         "start stages with `ddpflow launch` (it runs torchrun), or unset them")
-    try:
-        with open(path) as f:
-            return from_dict(json.load(f))
-    except (OSError, ValueError) as e:
-        raise UserError(f"--resolved {path}: cannot read the resolved config ({e}); it is "
-                        f"written by `ddpflow launch`, which starts this command") from None
+    return from_dict(reading.read_json(path, {"type": "object"}, "the resolved config",
+                                       "it is written by `ddpflow launch`, which starts this "
+                                       "command: run that"))
 
 
 def _rank(args) -> int:
@@ -264,10 +269,20 @@ def run(argv: list[str] | None = None) -> int:
 
         with hold(cfg, cfg.run_dir / "tune" / "slot.json", f"{cfg.run}/tune"):
             return tune(cfg, args.stage, args.memory_cap_mb)
+    if args.command == "sweep" and args.action == "collect":
+        from ddpflow.sweeps.leaderboard import collect
+
+        print(collect(cfg, args.logs), end="")
+        return 0
     if args.command == "sweep":
         from ddpflow.sweeps import plan as sweep
 
         return sweep.command(cfg, args)
+    return _command(cfg, args)
+
+
+def _command(cfg, args) -> int:
+    """The commands that take a config, once it is loaded and validated."""
     if args.command == "validate":
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         print(f"# config hash {cfg.hash}", file=sys.stderr)

@@ -9,14 +9,15 @@ record is compared with what the current config, code, data and weights would re
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from ddpflow.config import Config, code_fingerprint
 from ddpflow.core.checksum import sha256_of
 from ddpflow.core.errors import UserError
 from ddpflow.data import prepared
-from ddpflow.engine.weights import pretrained_file
 from ddpflow.results.summary import read_summary
+from ddpflow.seams.pretrained import pretrained_file
 from ddpflow.seams.userimport import dir_fingerprint
 
 # record key -> what a mismatch means, in the words the user reads
@@ -44,8 +45,9 @@ def make_record(cfg: Config, stage: str, data_fingerprint: str | None,
 
 
 def expected_record(cfg: Config, stage: str) -> dict:
-    """The record a run of `stage` would write now."""
-    meta = prepared.read_meta(cfg.data_dir)
+    """The record a run of `stage` would write now (damaged prepared data: no fingerprint,
+    so the stage shows as stale; the commands that read the data say what is wrong)."""
+    meta = prepared.read_meta(cfg.data_dir, damaged_ok=True)
     try:
         src = init_source(cfg, stage)
     except UserError:  # pretrained weights missing from the hub cache
@@ -67,7 +69,7 @@ def stale_reason(recorded, expected: dict) -> str | None:
 def stage_result(cfg: Config, stage: str) -> tuple[dict | None, str | None]:
     """(finished summary or None, None if it is fresh else the reason it is stale)."""
     folder = cfg.stage_dir(stage)
-    s = read_summary(folder / "summary.json")
+    s = read_summary(folder / "summary.json", damaged_ok=True)  # damaged: run it again
     if s is None:
         return None, None
     reason = stale_reason(s.get("record"), expected_record(cfg, stage))
@@ -78,3 +80,13 @@ def stage_result(cfg: Config, stage: str) -> tuple[dict | None, str | None]:
         elif s.get("final_sha256") != sha256_of(final):
             reason = "stale: final.pt was replaced after the stage finished"
     return s, reason
+
+
+def git_revision(repo: Path) -> str:
+    """The git commit of `repo` (the project a run was started from), or "unknown"."""
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpflow.config import Config, from_dict, set_key
+from ddpflow.core import reading
 from ddpflow.core.errors import UserError
 
 # keys a trial may not change: where results live, the sweep itself, and what all trials
@@ -225,7 +226,7 @@ def _shown(trial: Trial) -> str:
 # --------------------------------------------------------------------------- writing
 def write_plan(cfg: Config, trials: list[tuple[Trial, dict]]) -> Path:
     """sweep/plan.json and trials/<id>/trial_config.json (rewritten only when changed)."""
-    from ddpflow.data.prepared import write_json_atomic
+    from ddpflow.core.writing import write_json_atomic, write_text_atomic
 
     rows = []
     for trial, t in trials:
@@ -233,7 +234,7 @@ def write_plan(cfg: Config, trials: list[tuple[Trial, dict]]) -> Path:
         text = json.dumps(t, indent=2, sort_keys=True)
         if not path.is_file() or path.read_text() != text:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            write_text_atomic(path, text, "a trial's config")
         rows.append({"id": trial.id, "variant": trial.variant, "overrides": trial.overrides,
                      "config": str(path), "prepared_dir": t["data"]["prepared_dir"],
                      "stages": [s["name"] for s in t["stages"]]})
@@ -241,26 +242,46 @@ def write_plan(cfg: Config, trials: list[tuple[Trial, dict]]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     blob = {"run": cfg.run, "trials": rows,
             "swept": sorted({k for r in rows for k in r["overrides"]})}
-    if not out.is_file() or json.loads(out.read_text()) != blob:
+    if reading.read_json_or_none(out, PLAN_SCHEMA, "sweep plan") != blob:
         write_json_atomic(out, blob)
     return out
 
 
+_STRING = {"type": "string"}
+# sweep/plan.json as the leaderboard reads it (core/reading.py validates it first)
+PLAN_SCHEMA = {
+    "type": "object", "required": ["trials", "swept"],
+    "properties": {
+        "run": _STRING,
+        "swept": {"type": "array", "items": _STRING},
+        "trials": {"type": "array", "items": {
+            "type": "object", "required": ["id", "overrides"],
+            "properties": {"id": {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"},
+                           "variant": {"type": ["string", "null"]},
+                           "overrides": {"type": "object"},
+                           "config": _STRING, "prepared_dir": _STRING,
+                           "stages": {"type": "array", "items": _STRING}}}}}}
+PLAN_FIX = "run `ddpflow sweep plan --config ...` again (the workflow does this when it starts)"
+
+
 def read_plan(cfg: Config) -> dict:
     path = cfg.run_dir / "sweep" / "plan.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+    if not path.exists():
         raise UserError(f"no sweep plan at {path}; run `ddpflow sweep plan --config ...` "
-                        f"(the workflow does this when it starts)") from None
+                        f"(the workflow does this when it starts)")
+    return reading.read_json(path, PLAN_SCHEMA, "sweep plan", PLAN_FIX)
+
+
+def trial_config_path(cfg: Config, entry: dict) -> Path:
+    """trials/<id>/trial_config.json of a plan entry, kept inside the run's trials folder
+    (the entry's recorded "config" path is where it was when planned; this is where it is)."""
+    folder = reading.inside(cfg.run_dir / "trials", entry["id"],
+                            f"{cfg.run_dir / 'sweep' / 'plan.json'}: trials.id")
+    return folder / "trial_config.json"
 
 
 def command(cfg: Config, args) -> int:
-    if args.action == "collect":
-        from ddpflow.sweeps.leaderboard import collect
-
-        print(collect(cfg, args.logs), end="")
-        return 0
+    """`ddpflow sweep plan|list` (`sweep collect` is the leaderboard's)."""
     trials = plan(cfg)
     if args.action == "list":
         for trial, _ in trials:

@@ -30,16 +30,22 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ddpflow.config import Config
+from ddpflow.core import reading
 from ddpflow.core.errors import UserError
+from ddpflow.core.writing import move_into_place, write_json_atomic
 
 RUN_FILE = "mlflow.json"
 UNSENT = "mlflow_unsent.jsonl"
 
 
 def available() -> bool:
-    from ddpflow.tracking.trackers import installed
+    """Whether mlflow can be imported here (without importing it: that takes seconds)."""
+    import importlib.util
 
-    return installed("mlflow")
+    try:
+        return importlib.util.find_spec("mlflow") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def check(cfg: Config) -> None:
@@ -89,11 +95,29 @@ def _locked(folder: Path):
         os.close(fd)
 
 
+_TEXT = {"type": ["string", "null"]}
+# mlflow.json: the run kept for a folder (damaged or missing: a new run is made)
+RUN_SCHEMA = {"type": "object", "properties": {
+    "uri": _TEXT, "experiment_id": _TEXT, "run_id": _TEXT, "key": _TEXT}}
+_OBJECT = {"type": "object"}
+# one line of mlflow_unsent.jsonl: [op, payload] as StageSink.apply takes it
+UNSENT_LINE_SCHEMA = {"type": "array", "minItems": 2, "maxItems": 2, "oneOf": [
+    {"prefixItems": [{"const": "open"}, {
+        "type": "object", "required": ["key", "resume"],
+        "properties": {"key": _TEXT, "resume": {"type": "boolean"}, "params": _OBJECT}}]},
+    {"prefixItems": [{"const": "metrics"}, {
+        "type": "object", "required": ["step", "ts", "values"],
+        "properties": {"step": {"type": "integer"}, "ts": {"type": "integer"},
+                       "values": {"type": "object",
+                                  "additionalProperties": {"type": ["number", "boolean"]}}}}]},
+    {"prefixItems": [{"const": "end"}, {
+        "type": "object", "required": ["artifacts", "status"],
+        "properties": {"artifacts": {"type": "array", "items": {"type": "string"}},
+                       "status": {"type": "string"}}}]}]}
+
+
 def _saved(folder: Path) -> dict:
-    try:
-        return json.loads((folder / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
+    return reading.read_json_or_none(folder / RUN_FILE, RUN_SCHEMA, "MLflow run record") or {}
 
 
 def ensure_run(c, exp: str, folder: Path, name: str, parent: str | None, uri: str,
@@ -106,10 +130,8 @@ def ensure_run(c, exp: str, folder: Path, name: str, parent: str | None, uri: st
             return saved["run_id"]
         tags = {"mlflow.parentRunId": parent} if parent else {}
         run_id = c.create_run(exp, run_name=name, tags=tags).info.run_id
-        tmp = folder / (RUN_FILE + ".tmp")
-        tmp.write_text(json.dumps({"uri": uri, "experiment_id": exp, "run_id": run_id,
-                                   "key": key}))
-        os.replace(tmp, folder / RUN_FILE)
+        write_json_atomic(folder / RUN_FILE, {"uri": uri, "experiment_id": exp,
+                                              "run_id": run_id, "key": key})
         return run_id
 
 
@@ -214,7 +236,7 @@ class MlflowStage:
             self.sink.apply(op)
 
     def record(self, rec: dict) -> None:
-        from ddpflow.tracking.trackers import scalars
+        from ddpflow.tracking.records import scalars
 
         values = scalars(rec)
         if values:
@@ -235,14 +257,14 @@ def send_unsent(cfg: Config, stage: str) -> bool:
     path = cfg.stage_dir(stage) / UNSENT
     if not path.is_file():
         return True
-    ops, bad = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            ops.append(json.loads(line))
-        except ValueError:  # a line cut short when the process was killed mid-append
-            bad += bool(line.strip())
+    try:  # a last line cut short by a kill is skipped; other bad lines are counted
+        ops, bad = reading.read_jsonl(path, UNSENT_LINE_SCHEMA, "unsent MLflow log")
+    except UserError as e:  # too big, not UTF-8, ...: kept for a look, never sent
+        warn(f"{e}; it is not sent")
+        return False
     if bad:
-        warn(f"{path}: {bad} unreadable line(s) skipped (a write cut short)")
+        warn(f"{path}: {len(bad)} unreadable or malformed line(s) skipped (not as ddpflow writes "
+             f"them)")
     retry = path.with_name(UNSENT + ".retry")
     retry.unlink(missing_ok=True)
     sink = StageSink(cfg, stage, retry)
@@ -253,7 +275,7 @@ def send_unsent(cfg: Config, stage: str) -> bool:
     if sink.failed is None:
         path.unlink()
         return True
-    os.replace(retry, path)
+    move_into_place(retry, path, "the unsent MLflow log")
     return False
 
 

@@ -15,20 +15,15 @@ events never holds up a training step. `close()` waits for it.
 
 from __future__ import annotations
 
-import json
 import queue
 import sys
 import threading
 from pathlib import Path
 
 from ddpflow.config import Config
+from ddpflow.core import reading
 from ddpflow.core.errors import UserError
-
-TRAIN_SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "perf/samples_per_s",
-                 "compute_samples_per_s": "perf/compute_samples_per_s",
-                 "data_wait_fraction": "perf/data_wait_fraction", "tflops": "perf/tflops",
-                 "mfu": "perf/mfu", "peak_mem_mib": "perf/peak_mem_mib",
-                 "grad_scale": "train/grad_scale"}
+from ddpflow.tracking.records import flat, scalars
 
 
 def installed(package: str) -> bool:
@@ -56,44 +51,19 @@ def check(cfg: Config) -> None:
                         "tracking.tensorboard: auto to log only where it is installed)")
 
 
+# what step_offset reads of a summary (results/summary.py has the whole SUMMARY_SCHEMA)
+_STEPS = {"type": "object", "required": ["steps"],
+          "properties": {"steps": {"type": "integer", "minimum": 0}}}
+
+
 def step_offset(cfg: Config, stage: str) -> int:
     """Optimizer steps of the stages before this one (from their summaries)."""
     total = 0
     for st in cfg.stages[: cfg.stage_index(stage)]:
-        try:
-            total += int(json.loads((cfg.stage_dir(st.name) / "summary.json").read_text())
-                         ["steps"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        s = reading.read_json_or_none(cfg.stage_dir(st.name) / "summary.json", _STEPS,
+                                      "stage summary")
+        total += s["steps"] if s else 0  # missing or damaged: that stage runs again anyway
     return total
-
-
-def scalars(rec: dict) -> dict:
-    """A metrics record's values by tracker tag: train/loss, perf/mfu, val/acc, test/acc..."""
-    if rec.get("kind") == "train":
-        return {tag: rec[k] for k, tag in TRAIN_SCALARS.items()
-                if isinstance(rec.get(k), (int, float))}
-    if rec.get("kind") in ("val", "test"):
-        return {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}": v for k, v in rec.items()
-                if k.startswith(("val_", "test_")) and isinstance(v, (int, float))}
-    return {}
-
-
-def flat(d: dict, prefix: str = "") -> dict:
-    """{'stages.0.lr': 0.1, ...}: nested config as scalar hparams (lists as JSON text)."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flat(v, key + "."))
-        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            for i, x in enumerate(v):
-                out.update(flat(x, f"{key}.{i}."))
-        elif isinstance(v, (bool, int, float, str)):
-            out[key] = v
-        else:
-            out[key] = json.dumps(v)
-    return out
 
 
 class TensorBoard:
