@@ -3,17 +3,25 @@
 import json
 import hashlib
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import yaml
 from pathlib import Path
 
+# every value on a shell line built here is quoted by ddpflow's one quoting module (the
+# rules' `shell:` lines use `{x:q}`); the workflow imports nothing else of the library
+from ddpflow.core.quoting import format_literal, shell_line, shell_word
+
 # rules call `ddpflow` from the rule's environment (conda, container) when it has one, else
 # from the Python that runs Snakemake: `.venv/bin/snakemake` works without activating .venv
+# (shell.prefix formats its text like shell(): format_literal keeps a `{` in the path)
 shell.prefix(
-    f"command -v ddpflow >/dev/null || export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH; "
+    format_literal(
+        "command -v ddpflow >/dev/null || export PATH="
+        + shell_word(Path(sys.executable).parent)
+        + ":$PATH; "
+    )
 )
 
 

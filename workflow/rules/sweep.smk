@@ -39,7 +39,7 @@ if SWEEP:
             code=code_version("data"),
             user_code=lambda w: data_user_code(TCFG[DATASETS[w.dataset]["id"]]),
         shell:
-            "ddpflow prepare --config {params.cfg:q} > {log:q} 2>&1"
+            "ddpflow prepare --config={params.cfg:q} > {log:q} 2>&1"
 
     localrules:
         sweep_image,
@@ -55,7 +55,7 @@ if SWEEP:
             trial=TRIAL_PATTERN,
         priority: 10  # right before its trial's training, not after other trials' collects
         shell:
-            "cp {input:q} {output:q}"
+            "cp -- {input:q} {output:q}"
 
     rule sweep_tune:
         input:
@@ -84,7 +84,7 @@ if SWEEP:
             tune=lambda w: TCFG[w.trial]["tune"],
             code=code_version(),
         shell:
-            "ddpflow tune --config {params.cfg:q} > {log:q} 2>&1"
+            "ddpflow tune --config={params.cfg:q} > {log:q} 2>&1"
 
     rule sweep_train:
         input:
@@ -114,7 +114,7 @@ if SWEEP:
             user_code=lambda w: user_code_version(TCFG[w.trial]["model"]["code_dir"]),
             data_code=lambda w: data_user_code(TCFG[w.trial]),
         shell:
-            "ddpflow launch --config {params.cfg:q} --stage {wildcards.stage:q} > {log:q} 2>&1"
+            "ddpflow launch --config={params.cfg:q} --stage {wildcards.stage:q} > {log:q} 2>&1"
 
     rule sweep_collect_trial:
         input:
@@ -131,7 +131,7 @@ if SWEEP:
         params:
             cfg=lambda w: TRIALS[w.trial]["config"],
         shell:
-            "ddpflow collect --config {params.cfg:q} > {log:q} 2>&1"
+            "ddpflow collect --config={params.cfg:q} > {log:q} 2>&1"
 
     rule sweep_leaderboard:
         input:
@@ -154,9 +154,12 @@ if SWEEP:
             cfg=WCFG,
             logs=f"{LOGS}/trials",
         shell:
-            "ddpflow sweep collect --config {params.cfg:q} --logs {params.logs:q} > {log:q} 2>&1"
+            "ddpflow sweep collect --config={params.cfg:q} --logs={params.logs:q} > {log:q} 2>&1"
 
     onerror:
         # failed trials are rows with their reason, not holes: the leaderboard is written
-        # from whatever finished
-        shell(f"ddpflow sweep collect --config {WCFG} --logs {LOGS}/trials || true")
+        # from whatever finished; every word quoted, and format_literal because shell()
+        # formats its text with this file's variables
+        logs = f"{LOGS}/trials"
+        words = ["ddpflow", "sweep", "collect", f"--config={WCFG}", f"--logs={logs}"]
+        shell(format_literal(shell_line(words)) + " || true")

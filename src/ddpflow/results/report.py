@@ -8,11 +8,11 @@ A few lines of script mark the page once every image has decoded
 from __future__ import annotations
 
 import base64
-import html
 import json
 from pathlib import Path
 
 from ddpflow.config import Config
+from ddpflow.core.quoting import html_text
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}
@@ -38,12 +38,12 @@ def _fmt(v) -> str:
         return "–"
     if isinstance(v, float):
         return f"{v:.4f}" if abs(v) < 10 else f"{v:,.1f}"
-    return html.escape(str(v))
+    return html_text(str(v))
 
 
 def _img(path: Path, alt: str) -> str:
     data = base64.b64encode(Path(path).read_bytes()).decode()
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+    return f'<img alt="{html_text(alt)}" src="data:image/png;base64,{data}">'
 
 
 def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
@@ -70,29 +70,30 @@ def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
             [_fmt(r["stage"]), f'<span class="bad">not finished</span>: {_fmt(r["note"])}'] + \
             [""] * (len(keys) - 2)
         trs.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    headline = (f'<table id="headline"><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>'
-                f'{"".join(trs)}</table>')
+    headline = (f'<table id="headline"><tr>{"".join(f"<th>{html_text(h)}</th>" for h in head)}'
+                f'</tr>{"".join(trs)}</table>')
     details = []
     for r in rows:
-        items = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>"
+        items = "".join(f"<tr><th>{html_text(k)}</th><td>{_fmt(v)}</td></tr>"
                         for k, v in r.items())
-        details.append(f"<h3>{html.escape(r['stage'])}</h3><table>{items}</table>")
+        details.append(f"<h3>{html_text(r['stage'])}</h3><table>{items}</table>")
     captions = {"loss_accuracy": f"Training loss and {metric} across all stages",
                 "confusion_test": "Confusion matrix of the last stage on the test split",
                 "throughput": "Throughput (all ranks) and the share of step time spent "
                               "waiting for data",
                 "rank_step_time": "Step time of each rank"}
-    imgs = "".join(f"<figure>{_img(p, captions.get(k, k))}<figcaption>{captions.get(k, k)}"
+    imgs = "".join(f"<figure>{_img(p, captions.get(k, k))}<figcaption>"
+                   f"{html_text(captions.get(k, k))}"
                    f"</figcaption></figure>" for k, p in figures.items())
-    man = html.escape(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    man = html_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>ddpflow report: {html.escape(cfg.run)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>ddpflow report: {html_text(cfg.run)}</title>
 <style>{CSS}</style><script>{ONLOAD}</script></head>
 <body data-images-loaded="0">
-<h1>ddpflow run <code>{html.escape(cfg.run)}</code>: {state}</h1>
-<p>config hash <code>{summary['config_hash']}</code>, {len(rows)} stage(s),
-git revision <code>{html.escape(str(manifest.get('git_revision')))}</code>,
-torch {html.escape(str(manifest.get('torch')))}</p>
+<h1>ddpflow run <code>{html_text(cfg.run)}</code>: {state}</h1>
+<p>config hash <code>{html_text(summary['config_hash'])}</code>, {len(rows)} stage(s),
+git revision <code>{html_text(str(manifest.get('git_revision')))}</code>,
+torch {html_text(str(manifest.get('torch')))}</p>
 <h2>Headline</h2>{headline}
 <h2>Plots</h2>{imgs or '<p>No metrics recorded yet.</p>'}
 {_held_out(summary)}
@@ -110,12 +111,12 @@ def _held_out(summary: dict) -> str:
         pc = ev["per_class"]
         rows = "".join(f"<tr><td>{_fmt(c)}</td><td>{_fmt(pc['precision'][i])}</td>"
                        f"<td>{_fmt(pc['recall'][i])}</td><td>{_fmt(pc['f1'][i])}</td>"
-                       f"<td>{pc['support'][i]}</td></tr>"
+                       f"<td>{_fmt(pc['support'][i])}</td></tr>"
                        for i, c in enumerate(ev["classes"][:100]))
         parts.append(
             f'<h2>Test split</h2><p id="test">stage {_fmt(ev["stage"])}, '
             f'{_fmt(ev["weights"]["holds"])} weights: <b>test acc {_fmt(ev["acc"])}</b>, '
-            f'top-5 {_fmt(ev["top5"])}, loss {_fmt(ev["loss"])} over {ev["samples"]} '
+            f'top-5 {_fmt(ev["top5"])}, loss {_fmt(ev["loss"])} over {_fmt(ev["samples"])} '
             f'held-out images (model selection used the val split only)</p>'
             f'<table><tr><th>class</th><th>precision</th><th>recall</th><th>F1</th>'
             f'<th>support</th></tr>{rows}</table>')
