@@ -18,7 +18,6 @@ leaderboard and for anyone who wants to see which run used which GPU.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import socket
 import subprocess
@@ -28,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpflow.core import reading
 from ddpflow.core.errors import UserError
 
 POLL_S = 0.2  # seconds between looks for a free slot (a freed slot is taken this fast)
@@ -128,7 +128,7 @@ def narrow_to(slot: Slot) -> None:
 
 
 def _record(path: Path, rec: dict) -> None:
-    from ddpflow.data.prepared import write_json_atomic
+    from ddpflow.core.writing import write_json_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, rec)
@@ -159,8 +159,9 @@ def hold(cfg, record: Path, who: str):
         os.close(fd)
 
 
+# slot.json: which slot a stage held (the leaderboard's GPU hours; damaged: none recorded)
+SLOT_SCHEMA = {"type": "object", "properties": {"gpus": {"type": ["array", "null"]}}}
+
+
 def read_record(path: Path) -> dict | None:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+    return reading.read_json_or_none(path, SLOT_SCHEMA, "slot record")
