@@ -258,7 +258,7 @@ def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypa
     """hardware.nodes: 2 plans `srun ... torchrun --rdzv-backend=c10d` per node. Here the
     per-node torchrun runs twice on this machine, as srun would start it on two nodes."""
     from ddpflow.config import load_config
-    from ddpflow.data.prepared import write_json_atomic
+    from ddpflow.core.writing import write_json_atomic
     from ddpflow.launch.launcher import plan
 
     p = setup_run(tmp_path, {"name": "s1", "max_steps": 10, "batch_size": 32},

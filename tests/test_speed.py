@@ -101,8 +101,10 @@ def test_jobs_that_only_read_files_do_not_import_torch(tmp_path):
     """collect, a sweep's leaderboard, the image job and preparing a built-in source only read
     and write files: each would pay `import torch` (4-5 s here) per workflow job."""
     assert _python("import sys\n"
-                   "import ddpflow.cli, ddpflow.collect, ddpflow.leaderboard, ddpflow.container\n"
-                   "import ddpflow.provenance, ddpflow.data.prepare\n"
+                   "import ddpflow.cli, ddpflow.results.collect, ddpflow.sweeps.leaderboard\n"
+                   "import ddpflow.launch.container, ddpflow.results.provenance\n"
+                   "import ddpflow.data.prepare, ddpflow.core.reading, ddpflow.core.writing\n"
+                   "import ddpflow.core.quoting\n"
                    "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n") == "[]"
     # and for real: preparing the synthetic source stays torch-free
     cfg = write_config(tmp_path, tiny_config(tmp_path))

@@ -110,7 +110,7 @@ def test_a_bad_sweep_stops_before_anything_is_written(tmp_path, sweep, env, need
 HOLDER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from ddpflow.slots import acquire, layout, narrow_to
+    from ddpflow.launch.slots import acquire, layout, narrow_to
     gpus = sys.argv[2].split(",") if sys.argv[2] else []
     slots = layout("auto", 2, int(sys.argv[3]), gpus=gpus, cores=[0, 1])
     slot, fd = acquire(Path(sys.argv[1]), slots, "test")

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ddpflow.config import Config
 from ddpflow.core import locks
 from ddpflow.core.errors import UserError, short
+from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import archives, imagefolder, prepared, splits, synthetic
 from ddpflow.seams.userimport import dir_fingerprint
 
@@ -106,8 +107,10 @@ def _python_source(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
     )
 
     sets = {split: factory.dataset(cfg, split) for split in prepared.SPLITS}
-    first = {split: factory.check_item(ds, split) for split, ds in sets.items() if ds}
-    info = factory.describe(sets["train"], first["train"])
+    info = factory.describe(sets["train"], factory.check_item(sets["train"], "train", cfg))
+    for split in ("val", "test"):  # the seam contract, and the training images' channels
+        if sets[split]:
+            factory.check_item(sets[split], split, cfg, info["in_channels"])
     if cfg.data.materialize:
         labels = []
         for split, ds in sets.items():
@@ -115,7 +118,7 @@ def _python_source(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
                 prepared.save_split(folder, split, *prepared.empty_like(folder, "train"),
                                     store(cfg))
                 continue
-            x, y = factory.materialize(ds, split)
+            x, y = factory.materialize(ds, split, cfg)
             prepared.save_split(folder, split, x, y, store(cfg))
             labels.append(y)
         n = info["num_classes"] or int(max(y.max() for y in labels)) + 1
@@ -243,7 +246,7 @@ def prepare(cfg: Config, force: bool = False, out: Path | None = None,
     with locks.exclusive(target.with_name(target.name + ".lock"),
                          f"the prepared data folder {target}"):
         fp = fingerprint(cfg)
-        existing = prepared.read_meta(target)
+        existing = prepared.read_meta(target, damaged_ok=True)  # damaged: rebuilt
         if existing and existing.get("fingerprint") == fp and not force:
             changed = prepared.changed_files(target, existing)
             if not changed and not verify:
@@ -251,14 +254,15 @@ def prepare(cfg: Config, force: bool = False, out: Path | None = None,
             if _hashes_match(target, existing):
                 if changed:  # touched or copied, same bytes: record the new times
                     existing["mtime_ns"] = prepared.file_stats(target, existing)
-                    prepared.write_json_atomic(target / "meta.json", existing)
+                    write_json_atomic(target / "meta.json", existing)
                 return existing, False
             print(f"ddpflow: prepared data at {target} was changed after it was prepared "
                   f"({', '.join(changed) or 'checksum mismatch'}); preparing it again",
                   file=sys.stderr)
-        meta = prepared.build_into(target, lambda folder: _build(cfg, folder, fp))
+        meta = prepared.build_into(target, lambda folder: _build(cfg, folder, fp),
+                                   own_place=out is None and not cfg.data.prepared_dir)
         meta["mtime_ns"] = prepared.file_stats(target, meta)  # times in their final place
-        prepared.write_json_atomic(target / "meta.json", meta)
+        write_json_atomic(target / "meta.json", meta)
         return meta, True
 
 
@@ -279,7 +283,7 @@ def _build(cfg: Config, folder: Path, fp: str) -> dict[str, Any]:
                             "store_size": cfg.data.store_size,
                             "encoding": cfg.data.encoding}
     if not _build_arrays(cfg, folder, meta):  # a user dataset, read as it is when training
-        prepared.write_json_atomic(folder / "meta.json", meta)
+        write_json_atomic(folder / "meta.json", meta)
         return meta
     meta["num_classes"] = len(meta["classes"])
     seconds = time.perf_counter() - t0
@@ -288,7 +292,7 @@ def _build(cfg: Config, folder: Path, fp: str) -> dict[str, Any]:
     meta["seconds"] = round(seconds, 3)
     meta["images_per_s"] = round(n / max(seconds, 1e-9), 1)
     meta["bytes_written"] = sum(meta["bytes"].values())
-    prepared.write_json_atomic(folder / "meta.json", meta)
+    write_json_atomic(folder / "meta.json", meta)
     return meta
 
 

@@ -20,20 +20,63 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
-import shutil
-import tempfile
+import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ddpflow.core import reading
 from ddpflow.core.errors import UserError
+from ddpflow.core.writing import (
+    build_folder,
+    preallocate,
+    write_json_atomic,
+    write_text_atomic,  # noqa: F401 - for old importers
+)
 from ddpflow.data import shards
 
 FORMAT_VERSION = 2  # 2: three splits (test) and store_size
 SPLITS = ("train", "val", "test")
+
+_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"}  # a file in the folder
+_COUNT = {"type": "integer", "minimum": 0}
+_CHANNELS = {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4}
+# meta.json as its readers use it (validated by core/reading.py before any field is used);
+# a user dataset read as it is (kind: python) has no arrays, statistics or image shape
+META_SCHEMA = {
+    "type": "object", "required": ["format_version", "bytes", "sha256", "counts"],
+    "properties": {
+        "format_version": {"type": "integer"},
+        "kind": {"type": "string"},
+        "bytes": {"type": "object", "propertyNames": _NAME, "additionalProperties": _COUNT},
+        "sha256": {"type": "object", "propertyNames": _NAME,
+                   "additionalProperties": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
+        "mtime_ns": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "fingerprint": {"type": "string"},
+        "encoding": {"enum": ["raw", "jpeg"]},
+        "store_size": {"type": "integer", "minimum": 1, "maximum": 8192},
+        "counts": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["total"],
+            "properties": {"total": _COUNT, "per_class": {"type": "array", "items": _COUNT}}}},
+        "num_classes": {"type": ["integer", "null"], "minimum": 1},
+        "classes": {"type": "array", "items": {"type": "string"}},
+        "mean": _CHANNELS,
+        "std": {**_CHANNELS, "items": {"type": "number", "exclusiveMinimum": 0}},
+        "image_shape": {"type": "array", "items": {"type": "integer", "minimum": 1},
+                        "minItems": 3, "maxItems": 3}},
+    "allOf": [
+        {"if": {"required": ["kind"], "properties": {"kind": {"const": "python"}}},
+         "else": {"required": ["num_classes", "classes", "mean", "std", "image_shape"],
+                  "properties": {"num_classes": {"type": "integer"},
+                                 "counts": {"required": list(SPLITS)}}}},
+        {"if": {"required": ["encoding"], "properties": {"encoding": {"const": "jpeg"}}},
+         "then": {"required": ["store_size"]}}]}
+META_WHAT = "the prepared data's meta.json"
+META_FIX = ("there is no prepared data here until `ddpflow prepare --config ... --force` "
+            "rebuilds it")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -44,30 +87,12 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write path whole or not at all: a reader (or a stopped writer) never sees a part."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
 def _allocated_memmap(path: Path, dtype, shape):
     """open_memmap with the file's blocks reserved first: a full disk is an ENOSPC error
     here, not a SIGBUS later when a page of the (sparse) mapping is written."""
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
     try:
-        with open(path, "r+b") as f:
-            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        preallocate(path)
     except OSError as e:
         del arr
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -75,8 +100,7 @@ def _allocated_memmap(path: Path, dtype, shape):
             raise UserError(f"no space left on {path.parent} ({need / 1e6:.0f} MB needed for "
                             f"{path.name}); free space or point results_dir elsewhere"
                             ) from None
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: go on
-            raise
+        raise
     return arr
 
 
@@ -186,22 +210,25 @@ def changed_files(folder: Path, meta: dict[str, Any]) -> list[str]:
     return changed
 
 
-def read_meta(folder: Path) -> dict[str, Any] | None:
-    """meta.json of a complete prepared folder, or None (missing, partial, other version)."""
+def read_meta(folder: Path, damaged_ok: bool = False) -> dict[str, Any] | None:
+    """meta.json of a complete prepared folder; None when it is missing, of another format
+    version or its arrays are missing or of other sizes (a folder to prepare again). A
+    meta.json that is there but damaged or foreign (not JSON, wrong shape, a path out of the
+    folder) is one UserError, or None with `damaged_ok` (prepare, which rebuilds it)."""
+    folder = Path(folder)
+    path = folder / "meta.json"
     try:
-        with open(Path(folder) / "meta.json") as f:
-            meta = json.load(f)
-    except (OSError, ValueError):  # missing, unreadable, not JSON, not UTF-8
-        return None
-    # a foreign or hand-edited meta.json is "no dataset", never a crash
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        return None
-    sizes = meta.get("bytes")
-    if not isinstance(sizes, dict) or not isinstance(meta.get("sha256"), dict):
-        return None
-    for name, size in sizes.items():
-        p = Path(folder) / str(name)
-        if str(name).endswith(shards.SUFFIX):
+        raw = reading.read_json_if_present(path, {"type": "object"}, META_WHAT, META_FIX)
+        if raw is None or raw.get("format_version") != FORMAT_VERSION:
+            return None
+        meta = reading.validate(raw, META_SCHEMA, path, META_WHAT, META_FIX)
+        names = [reading.inside(folder, n, f"{path}: bytes", META_FIX) for n in meta["bytes"]]
+    except UserError:
+        if damaged_ok:
+            return None
+        raise
+    for p, size in zip(names, meta["bytes"].values()):
+        if p.name.endswith(shards.SUFFIX):
             continue  # a short shard costs its samples, counted when read (shards.py)
         if not p.is_file() or p.stat().st_size != size:
             return None
@@ -238,23 +265,29 @@ def load(folder: Path) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.n
     return meta, arrays
 
 
-def build_into(target: Path, build) -> dict[str, Any]:
+LEGACY_SCHEMA = {"type": "object", "required": ["fingerprint"],
+                 "properties": {"bytes": {"type": "object"}}}
+_ARRAY = re.compile(r"(train|val|test)[_-][\w.-]*\.(npy|jpgs)")
+
+
+def is_prepared_folder(folder: Path, strict: bool = True) -> bool:
+    """A prepared folder of a version before the `.ddpflow-output` marker: a meta.json of
+    ddpflow's (it has a fingerprint) and nothing but the files it lists; in ddpflow's own
+    place (`strict` False) also arrays without meta.json (Snakemake deletes it before a job
+    that remakes it)."""
+    names = os.listdir(folder)
+    if not (Path(folder) / "meta.json").exists():
+        return not strict and all(_ARRAY.fullmatch(n) for n in names)
+    meta = reading.read_json_or_none(Path(folder) / "meta.json", LEGACY_SCHEMA, "meta.json")
+    listed = (meta or {}).get("bytes") or {}
+    return meta is not None and all(name == "meta.json" or name in listed for name in names)
+
+
+def build_into(target: Path, build, own_place: bool = False) -> dict[str, Any]:
     """Run `build(partial_folder) -> meta` in a folder of its own beside `target` and move
-    the result to `target` atomically (callers hold the folder's lock)."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.partial-*"):  # left by a killed build
-        shutil.rmtree(stale, ignore_errors=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    try:
-        meta = build(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    old = target.with_name(target.name + ".old")
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-    os.replace(partial, target)
-    shutil.rmtree(old, ignore_errors=True)
-    return meta
+    the result to `target` atomically (callers hold the folder's lock). A target that holds
+    anything ddpflow did not write is refused, untouched (writing.build_folder);
+    `own_place`: the default <run>/data, not a folder the user named."""
+    return build_folder(target, build, "the prepared data folder", lock=False,
+                        legacy=partial(is_prepared_folder, strict=not own_place),
+                        other="another data.prepared_dir")

@@ -10,8 +10,6 @@ the node's ranks with torchrun like training.
 
 from __future__ import annotations
 
-import csv
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -20,16 +18,27 @@ import numpy as np
 import torch
 
 from ddpflow.config import Config
+from ddpflow.core import reading, writing
 from ddpflow.core.errors import UserError
+from ddpflow.core.quoting import write_csv
+from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import imagefolder, prepared
 from ddpflow.data.prepare import check_settings
-from ddpflow.data.prepared import write_json_atomic
 from ddpflow.engine import distributed
 from ddpflow.inference.common import decode, preprocess, scores, stage_model, warn_if_stale
 from ddpflow.results import plots
 from ddpflow.seams.models import input_channels
 
 BATCH = 256  # images per forward, per rank
+WHAT = "the evaluation results"
+# what evaluate writes in its folder (error.json: launcher.RANK_ERROR; nodes: the roll call)
+NAMES = ("config.json", "metrics.json", "per_class.csv", "confusion.png", "error.json", "nodes")
+_NUMBER = {"type": "number"}
+# metrics.json as `ddpflow evaluate` reports it (core/reading.py validates it first)
+EVAL_SCHEMA = {"type": "object", "required": ["weights", "split", "acc", "top5", "loss", "samples"],
+               "properties": {"weights": {"type": "object", "required": ["weights"]},
+                              "split": {"type": "string"}, "acc": _NUMBER, "top5": _NUMBER,
+                              "loss": _NUMBER, "samples": {"type": "integer", "minimum": 0}}}
 
 
 def out_dir(cfg: Config, stage: str, split: str | None, weights: str) -> Path:
@@ -39,9 +48,6 @@ def out_dir(cfg: Config, stage: str, split: str | None, weights: str) -> Path:
 def launch(cfg: Config, stage: str | None, split: str, images: str | None, weights: str,
            out: str | None, allow_empty: bool = False) -> int:
     """Check, then one torchrun whose ranks evaluate together; prints the result."""
-    from ddpflow.launch.launcher import RANK_ERROR, plan
-    from ddpflow.launch.procs import run_torchrun
-    from ddpflow.launch.slurmnodes import missing_nodes_text, roll_call_dir
     stage = stage or cfg.stages[-1].name
     cfg.stage(stage)
     meta = _meta(cfg)
@@ -49,19 +55,34 @@ def launch(cfg: Config, stage: str | None, split: str, images: str | None, weigh
         raise UserError(f"--images {images} is not a folder; give a labelled folder "
                         f"DIR/<class>/<image> (class names as in training)")
     warn_if_stale(cfg, stage)
+    folder = Path(out) if out else out_dir(cfg, stage, None if images else split, weights)
+    with writing.output_lock(folder, WHAT):  # a second at once is told who holds it
+        writing.claim_folder(folder, WHAT, NAMES, legacy=_is_evaluation)
+        return _run(cfg, stage, split, images, weights, meta, folder, allow_empty)
+
+
+def _is_evaluation(folder: Path) -> bool:
+    """An evaluate folder of a version before the `.ddpflow-output` marker: its config.json
+    is a resolved ddpflow config."""
+    return reading.read_json_or_none(folder / "config.json", {
+        "type": "object", "required": ["run", "stages", "results_dir"]},
+        "config.json") is not None
+
+
+def _run(cfg: Config, stage: str, split: str, images: str | None, weights: str, meta: dict,
+         folder: Path, allow_empty: bool) -> int:
+    from ddpflow.launch.launcher import RANK_ERROR, RANK_ERROR_SCHEMA, plan
+    from ddpflow.launch.procs import run_torchrun
+    from ddpflow.launch.slurmnodes import missing_nodes_text, roll_call_dir
     if images is None and meta["counts"][split]["total"] == 0:
         if not allow_empty:
             raise UserError(f"the prepared data has no {split} split (data.test_fraction 0, "
                             f"or a data.factory without one); evaluate --split val, or "
                             f"--images a labelled folder")
-        folder = Path(out) if out else out_dir(cfg, stage, split, weights)
-        folder.mkdir(parents=True, exist_ok=True)
         write_json_atomic(folder / "metrics.json", {"stage": stage, "split": split,
                                                     "samples": 0, "note": f"no {split} split"})
         print(f"ddpflow: no {split} split to evaluate; wrote {folder / 'metrics.json'}")
         return 0
-    folder = Path(out) if out else out_dir(cfg, stage, None if images else split, weights)
-    folder.mkdir(parents=True, exist_ok=True)
     resolved = folder / "config.json"
     write_json_atomic(resolved, cfg.to_dict())
     for old in ("metrics.json", RANK_ERROR):  # an earlier result never passes for this one
@@ -71,15 +92,16 @@ def launch(cfg: Config, stage: str | None, split: str, images: str | None, weigh
     cmd, env = plan(cfg, stage, resolved, extra, command="evaluate-rank")
     shutil.rmtree(roll_call_dir(resolved), ignore_errors=True)  # several nodes: who answers
     rc, _ = run_torchrun(cmd, env, watch=folder / RANK_ERROR)
-    rank_error = json.loads((folder / RANK_ERROR).read_text()) if (
-        folder / RANK_ERROR).is_file() else None
+    rank_error = reading.read_json_or_none(folder / RANK_ERROR, RANK_ERROR_SCHEMA,
+                                           "a rank's report")
     if rank_error:
         raise UserError(rank_error.get("message", "a rank stopped on a mistake"))
     if rc != 0 or not (folder / "metrics.json").is_file():
         why = (rc and missing_nodes_text(cfg, folder)) or f"torchrun exited with {rc}"
         print(f"ddpflow: error: evaluation failed ({why})", file=sys.stderr)
         return rc or 1
-    m = json.loads((folder / "metrics.json").read_text())
+    m = reading.read_json(folder / "metrics.json", EVAL_SCHEMA, "evaluation result",
+                          "run `ddpflow evaluate` again")
     print(f"ddpflow: {stage} ({m['weights']['weights']} weights) on {m['split']}: "
           f"acc {m['acc']:.4f}, top5 {m['top5']:.4f}, loss {m['loss']:.4f} over "
           f"{m['samples']} images -> {folder}")
@@ -156,13 +178,11 @@ def _write(cfg: Config, meta: dict, gathered: list, out: Path, head: dict) -> No
     result = scores(logits, labels, meta["num_classes"])
     classes = meta["classes"]
     out = Path(out)
-    with open(out / "per_class.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["class", "precision", "recall", "f1", "support"])
-        pc = result["per_class"]
-        for i, name in enumerate(classes):
-            w.writerow([name, f"{pc['precision'][i]:.6f}", f"{pc['recall'][i]:.6f}",
-                        f"{pc['f1'][i]:.6f}", pc["support"][i]])
+    pc = result["per_class"]
+    write_csv(out / "per_class.csv", ["class", "precision", "recall", "f1", "support"],
+              [[name, f"{pc['precision'][i]:.6f}", f"{pc['recall'][i]:.6f}",
+                f"{pc['f1'][i]:.6f}", pc["support"][i]] for i, name in enumerate(classes)],
+              WHAT)
     plots.confusion(np.array(result["confusion"]), classes, out / "confusion.png",
                     f"{head['stage']} on {Path(str(head['split'])).name}")
     skipped = [{"file": f, "reason": r} for g in gathered for f, r in g[3]]

@@ -12,7 +12,9 @@ outputs are compared with the PyTorch model's (max |difference| of the logits wi
 tolerance, and the same top-1 class). A format that cannot be written or checked is named
 with its reason in model.json and on stderr, the others are still written, and the
 command exits 1. The bundle is built in a folder beside the target and moved into place
-whole, model.json last: a bundle without model.json is never complete.
+whole, model.json last: a bundle without model.json is never complete. An existing target
+is replaced only when it is empty or an earlier bundle (core/writing.py): a folder of
+other files, a file or a link is refused, untouched, before any work.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +30,7 @@ import torch
 
 from ddpflow import __version__
 from ddpflow.config import Config
+from ddpflow.core import reading, writing
 from ddpflow.core.checksum import sha256_of
 from ddpflow.core.errors import UserError
 from ddpflow.data import crops, prepared
@@ -41,6 +45,35 @@ UMASK = os.umask(0o022)
 os.umask(UMASK)  # (read by setting it: restored at once)
 FILES = {"safetensors": "model.safetensors", "torchscript": "model.ts", "onnx": "model.onnx"}
 
+_SHA256 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+_NUMBERS = {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4}
+# model.json as `ddpflow predict` reads it (reading.py validates it before any field is
+# used): first what every bundle has, then what a classification bundle must have
+MANIFEST_SCHEMA = {
+    "type": "object", "required": ["format_version", "task"],
+    "properties": {"format_version": {"const": 1}, "task": {"type": "string"}}}
+CLASSIFIER_SCHEMA = {
+    "type": "object",
+    "required": ["files", "num_classes", "classes", "input", "image_size", "store_size",
+                 "grayscale", "mean", "std"],
+    "properties": {
+        "files": {"type": "object", "minProperties": 1,
+                  "propertyNames": {"enum": sorted(FILES)},
+                  "additionalProperties": {
+                      "type": "object", "required": ["file", "sha256"],
+                      "properties": {"file": {"type": "string", "minLength": 1},
+                                     "sha256": _SHA256}}},
+        "num_classes": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+        "classes": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "input": {"type": "object", "required": ["channels"],
+                  "properties": {"channels": {"type": "integer", "minimum": 1,
+                                              "maximum": 4}}},
+        "image_size": {"type": "integer", "minimum": 1, "maximum": 8192},
+        "store_size": {"type": "integer", "minimum": 1, "maximum": 8192},
+        "grayscale": {"type": "boolean"},
+        "mean": _NUMBERS,
+        "std": {**_NUMBERS, "items": {"type": "number", "exclusiveMinimum": 0}}}}
+
 
 def export(cfg: Config, stage: str | None = None, out: str | None = None) -> int:
     stage = stage or cfg.stages[-1].name
@@ -49,25 +82,29 @@ def export(cfg: Config, stage: str | None = None, out: str | None = None) -> int
         raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
     check_settings(cfg, meta)
     warn_if_stale(cfg, stage)
+    target = Path(out) if out else cfg.run_dir / "export"
+    legacy = partial(is_bundle, strict=out is not None)
+    writing.check_replaceable(target, WHAT, legacy)  # before the work, and again at the end
     model, record = stage_model(cfg, meta, stage, "final")
     channels = input_channels(cfg.model.name, meta["image_shape"][2])
     x = _check_batch(cfg, meta, channels)
     with torch.no_grad():
         ref = model(x)
-    target = Path(out) if out else cfg.run_dir / "export"
     spec: dict = {}
 
     def build(folder: Path) -> dict:
+        # torch.jit.save and the ONNX exporter abort the process on a full disk: check first
+        writing.require_free_space(folder, space_needed(model), WHAT)
         checks = {fmt: _write_format(fmt, model, x, ref, folder / name)
                   for fmt, name in FILES.items()}
         spec.update(_spec(cfg, meta, record, channels, checks, folder))
-        prepared.write_json_atomic(folder / "model.json", spec)
+        writing.write_json_atomic(folder / "model.json", spec)
         for f in folder.iterdir():  # a bundle is handed on: readable by others (umask)
             os.chmod(f, 0o666 & ~UMASK)
         os.chmod(folder, 0o777 & ~UMASK)
         return spec
 
-    prepared.build_into(target, build)
+    writing.build_folder(target, build, WHAT, legacy=legacy)
     failed = {f: c["error"] for f, c in spec["checks"].items() if not c["ok"]}
     for fmt, c in spec["checks"].items():
         state = "ok" if c["ok"] else f"FAILED: {c['error']}"
@@ -80,6 +117,27 @@ def export(cfg: Config, stage: str | None = None, out: str | None = None) -> int
                                              for f, e in failed.items()), file=sys.stderr)
         return 1
     return 0
+
+
+WHAT = "the export bundle"
+
+
+def is_bundle(folder: Path, strict: bool = True) -> bool:
+    """A bundle of a version before the `.ddpflow-output` marker: nothing but the files
+    export writes, and ddpflow's model.json; in ddpflow's own place (no --out, `strict`
+    False) also without model.json (Snakemake deletes it before a job that remakes it)."""
+    if not set(os.listdir(folder)) <= {"model.json", *FILES.values()}:
+        return False
+    if not (folder / "model.json").exists():
+        return not strict
+    return reading.read_json_or_none(folder / "model.json", {
+        "type": "object", "required": ["ddpflow", "files"]}, "model.json") is not None
+
+
+def space_needed(model) -> int:
+    """Bytes the three formats need: each holds the weights once (25% and 1 MB to spare)."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return int(len(FILES) * weights * 1.25) + (1 << 20)
 
 
 def _check_batch(cfg: Config, meta: dict, channels: int) -> torch.Tensor:
@@ -100,6 +158,8 @@ def _write_format(fmt: str, model, x, ref, path: Path) -> dict:
             out = WRITERS[fmt](model, x, path)
     except Exception as e:  # noqa: BLE001 - a tracer/exporter failure is reported per format
         path.unlink(missing_ok=True)
+        if isinstance(e, OSError) and writing.user_os_error(e, path, WHAT):
+            raise  # a full disk, not the format's fault: build_folder names the target
         return {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     if out is None:  # written, but nothing here can run it
         return {"ok": True, "checked": False, "note": "onnxruntime is not installed: "

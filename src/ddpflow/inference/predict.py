@@ -9,9 +9,6 @@ to --top-k, and error (why an unreadable image has no prediction).
 
 from __future__ import annotations
 
-import csv
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -19,29 +16,41 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ddpflow.core import reading, writing
 from ddpflow.core.checksum import sha256_of
 from ddpflow.core.errors import UserError
+from ddpflow.core.quoting import write_csv
 from ddpflow.inference.common import decode, image_files, preprocess
+from ddpflow.inference.export import CLASSIFIER_SCHEMA, MANIFEST_SCHEMA
 
 BATCH = 64  # images per forward
 
 
 def load_bundle(folder: str | Path) -> dict:
-    """model.json of an export bundle, every listed file checked against its SHA-256."""
+    """model.json of an export bundle, validated before any field is used (reading.py), the
+    files it lists kept inside the bundle and checked against their SHA-256."""
     folder = Path(folder)
-    try:
-        spec = json.loads((folder / "model.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{folder} is not an export bundle: model.json cannot be read ({e}); "
-                        f"make one with `ddpflow export --config ...`") from None
-    if not isinstance(spec, dict) or spec.get("format_version") != 1:
-        raise UserError(f"{folder}/model.json is not a ddpflow export (format_version 1)")
-    if spec.get("task") != "classification":
-        raise UserError(f"{folder} holds a {spec.get('task')} model; predict writes classes "
-                        f"and probabilities, which only a classification model gives (load "
-                        f"model.ts or model.onnx yourself for its raw outputs)")
+    manifest = folder / "model.json"
+    what, fix = "export bundle manifest", "make a bundle with `ddpflow export --config ...`"
+    if folder.is_file():
+        raise UserError(f"--bundle {folder} is a file; give the folder `ddpflow export` "
+                        f"wrote (it holds model.json)")
+    spec = reading.read_json(manifest, MANIFEST_SCHEMA, what, fix)
+    if spec["task"] != "classification":
+        task = " ".join(spec["task"].split())[:40]
+        raise UserError(f"{folder} holds a {task} model; predict writes classes and "
+                        f"probabilities, which only a classification model gives "
+                        f"(load model.ts or model.onnx yourself for its raw outputs)")
+    reading.validate(spec, CLASSIFIER_SCHEMA, manifest, what, f"{reading.NOT_OURS}; {fix}")
+    channels = 1 if spec["grayscale"] else 3
+    for key, want, meaning in (("classes", spec["num_classes"], "num_classes"),
+                               ("mean", channels, "the image channels"),
+                               ("std", channels, "the image channels")):
+        if len(spec[key]) != want:
+            raise UserError(f"{manifest} ({what}): {key}: {len(spec[key])} item(s), but "
+                            f"{meaning} says {want}; {reading.NOT_OURS}; {fix}")
     for fmt, f in spec["files"].items():
-        path = folder / f["file"]
+        path = reading.inside(folder, f["file"], f"{manifest}: files.{fmt}.file", fix)
         if not path.is_file():
             raise UserError(f"the bundle {folder} lacks {f['file']} ({fmt}) that model.json "
                             f"lists; export again")
@@ -58,7 +67,7 @@ def _runner(spec: dict, folder: Path, fmt: str, device: torch.device):
         fmt = "torchscript" if "torchscript" in files else "onnx"
     if fmt not in files:
         raise UserError(f"the bundle has no {fmt} model (it has: {', '.join(files)})")
-    path = str(folder / files[fmt]["file"])
+    path = str(reading.inside(folder, files[fmt]["file"], f"{folder}/model.json: files.{fmt}.file"))
     if fmt == "torchscript":
         with warnings.catch_warnings():  # "deprecated in favour of torch.export": still works
             warnings.simplefilter("ignore", FutureWarning)
@@ -77,6 +86,7 @@ def _runner(spec: dict, folder: Path, fmt: str, device: torch.device):
 def predict(bundle: str, inputs: list[str], out: str, top_k: int = 5, fmt: str = "auto",
             device: str = "auto") -> int:
     folder = Path(bundle)
+    writing.claim_file(Path(out), WHAT, is_predictions)  # before the work, and again at the end
     spec = load_bundle(folder)
     if device not in ("auto", "cpu", "cuda") or (device == "cuda" and
                                                  not torch.cuda.is_available()):
@@ -118,11 +128,20 @@ def predict(bundle: str, inputs: list[str], out: str, top_k: int = 5, fmt: str =
     return 0
 
 
+WHAT = "the predictions CSV"
+
+
+def is_predictions(path: Path) -> bool:
+    """A CSV `ddpflow predict` wrote (its header), which a new one may replace."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().startswith("path,class,prob")
+    except OSError:
+        return False
+
+
 def _write_csv(path: Path, header: list, rows: list) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
-    os.replace(tmp, path)
+    with writing.writing(path, WHAT):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writing.claim_file(path, WHAT, is_predictions)
+        write_csv(path, header, rows)  # whole or not at all; no cell a spreadsheet would run

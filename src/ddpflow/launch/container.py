@@ -8,7 +8,6 @@ stages run with `apptainer exec --nv` (written and documented; not run on our CI
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -19,8 +18,11 @@ import time
 from pathlib import Path
 
 from ddpflow.config import Config
+from ddpflow.core import reading
 from ddpflow.core.errors import UserError
-from ddpflow.data.prepared import write_json_atomic
+from ddpflow.core.quoting import shell_word
+from ddpflow.core.writing import move_into_place, write_json_atomic
+from ddpflow.results.provenance import git_revision
 
 IN_CONTAINER = "DDPFLOW_IN_CONTAINER"
 PODMAN_SOCKETS = ("/run/podman/podman.sock",)
@@ -59,13 +61,8 @@ def client(engine: str):
                         ) from None
 
 
-def git_revision(repo: Path) -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+# image.json as the stage launcher reads it (core/reading.py validates it first)
+IMAGE_SCHEMA = {"type": "object", "properties": {"image_id": {"type": ["string", "null"]}}}
 
 
 def build(cfg: Config, context: Path, out: Path) -> dict:
@@ -125,7 +122,8 @@ def _build_apptainer(cfg: Config, context: Path, out: Path, record: dict) -> dic
     if uri and "://" not in uri:  # a .sif file (checked by config validation)
         if not Path(uri).is_file():
             raise UserError(f"container.uri {uri} does not exist; build it with "
-                            f"`apptainer build {uri} docker://<image>` or give a docker:// uri")
+                            f"`apptainer build {shell_word(uri)} docker://<image>` or give a "
+                            f"docker:// uri")
         shutil.copyfile(uri, sif.with_suffix(".sif.tmp"))
     elif uri:
         subprocess.run(["apptainer", "build", "--force", str(sif.with_suffix(".sif.tmp")), uri],
@@ -138,7 +136,8 @@ def _build_apptainer(cfg: Config, context: Path, out: Path, record: dict) -> dic
         record.update(build(from_dict(docker_cfg), context, out))
         subprocess.run(["apptainer", "build", "--force", str(sif.with_suffix(".sif.tmp")),
                         f"docker-daemon://{cfg.container.image}"], check=True)
-    os.replace(sif.with_suffix(".sif.tmp"), sif)  # never a half-built image under its name
+    # never a half-built image under its name
+    move_into_place(sif.with_suffix(".sif.tmp"), sif, "the Apptainer image")
     from ddpflow.core.checksum import sha256_of
 
     record.update(engine="apptainer", sif=str(sif), source=uri or "Dockerfile",
@@ -213,8 +212,9 @@ def run_stage(cfg: Config, resolved: Path, stage: str, extra_args: list[str],
     import docker
 
     c = client(cfg.container.engine)
-    info = json.loads((cfg.run_dir / "image.json").read_text()) \
-        if (cfg.run_dir / "image.json").is_file() else {}
+    info = reading.read_json_if_present(
+        cfg.run_dir / "image.json", IMAGE_SCHEMA, "the run's container image record",
+        "build the image again with `ddpflow image --config ...`") or {}
     image = info.get("image_id") or cfg.container.image
     requests = ([docker.types.DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])]
                 if gpus else [])

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from ddpflow.core.writing import write_bytes_atomic
+
 EXIT_UNREACHED = 3
 
 
@@ -60,10 +62,7 @@ def reachable(host: str, port: int, timeout_s: float) -> bool:
 def answer(folder: Path) -> None:
     """Record this node as present: an empty file named after it, written in one step."""
     folder.mkdir(parents=True, exist_ok=True)
-    me = node_name()
-    tmp = folder / f".{me}.{os.getpid()}"
-    tmp.touch()
-    os.replace(tmp, folder / me)
+    write_bytes_atomic(folder / node_name(), b"")
 
 
 def present(folder: Path) -> set[str]:

@@ -14,24 +14,22 @@ finished, with what is missing; malformed metrics lines are counted and named.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import os
 import shutil
 from pathlib import Path
 
 from ddpflow import __version__
 from ddpflow.config import Config
+from ddpflow.core import reading
 from ddpflow.core.checksum import sha256_of
 from ddpflow.core.errors import UserError
-from ddpflow.data.prepared import write_json_atomic, write_text_atomic
-from ddpflow.launch.container import git_revision
+from ddpflow.core.quoting import write_csv
+from ddpflow.core.writing import write_json_atomic, write_text_atomic
 from ddpflow.results import plots
 from ddpflow.results.metrics import read_records
-from ddpflow.results.provenance import stage_result
+from ddpflow.results.provenance import git_revision, stage_result
 from ddpflow.results.report import render
-from ddpflow.results.summary import read_summary, result_text
+from ddpflow.results.summary import read_summary, result_text, summary_problem
 from ddpflow.tracking.mlflowrun import finish_workflow_run
 
 COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
@@ -47,10 +45,10 @@ COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
 
 
 def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    """command.json, image.json, an evaluation's metrics.json, a bundle's model.json: shown
+    in the report when they are there and whole; missing or damaged, the report goes on
+    without them (the command that reads each for real refuses it with its reason)."""
+    return reading.read_json_or_none(path, {"type": "object"}, "report input")
 
 
 def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
@@ -64,8 +62,9 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         notes += problems
     s, stale = stage_result(cfg, name)
     if s is None:
-        if (folder / "summary.json").is_file():
-            notes.append("not finished: summary.json is unreadable or truncated")
+        problem = summary_problem(folder / "summary.json")
+        if problem:  # the report still comes out: the stage shows as not finished
+            notes.append(f"not finished: {problem}")
         else:
             notes.append("not finished: no summary.json" if folder.is_dir()
                          else "not started: no stage folder")
@@ -132,7 +131,7 @@ def manifest(cfg: Config, repo: Path) -> dict:
     stages = {}
     for st in cfg.stages:
         folder = cfg.stage_dir(st.name)
-        s = read_summary(folder / "summary.json") or {}
+        s = read_summary(folder / "summary.json", damaged_ok=True) or {}
         stages[st.name] = {"command": _read_json(folder / "command.json"),
                            "environment": s.get("environment"),
                            "container": s.get("container"), "config_hash": s.get("config_hash")}
@@ -198,14 +197,10 @@ def _collect(cfg: Config, out: Path, repo: Path | None) -> dict:
                "checkpoints": index, "figures": sorted(figures),
                "evaluation": evaluation, "export": bundle,
                "config": cfg.to_dict()}
-    buf = io.StringIO()
     metric_columns = sorted({k for r in rows for k in r if k.startswith(("final_val_",
                                                                           "best_val_"))}
                             - set(COLUMNS))
-    w = csv.DictWriter(buf, fieldnames=COLUMNS + metric_columns, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(rows)
-    write_text_atomic(out / "summary.csv", buf.getvalue())
+    write_csv(out / "summary.csv", COLUMNS + metric_columns, rows)
     write_text_atomic(out / "report.html", render(cfg, summary, man, figures, metric))
     write_text_atomic(out / "headline.txt", headline(cfg, rows, evaluation))
     write_json_atomic(out / "summary.json", summary)  # last: it says the collect finished

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from ddpflow.core import reading
+from ddpflow.core.writing import write_text_atomic
+
+METRICS_MAX_BYTES = 1 << 30  # a line per log interval: long runs write tens of MB
 
 
 class MetricsLog:
@@ -18,11 +22,7 @@ class MetricsLog:
         kept = []
         if keep_until_step is not None and self.path.exists():
             kept = [r for r in read_records(self.path)[0] if r.get("step", 0) <= keep_until_step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.f = open(self.path, "a", buffering=1)
 
     def write(self, record: dict) -> None:
@@ -36,16 +36,9 @@ class MetricsLog:
 
 def read_records(path: Path) -> tuple[list[dict], list[str]]:
     """(records, problems): a truncated or malformed line is reported, not silently dropped."""
-    records, problems = [], []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                problems.append(f"{Path(path).name} line {n} is truncated or malformed")
-    return records, problems
+    records, bad = reading.read_jsonl(path, {"type": "object"}, "metrics log",
+                                      max_bytes=METRICS_MAX_BYTES, cut_ok=False)
+    return records, [f"{Path(path).name} line {n} is truncated or malformed" for n in bad]
 
 
 def efficiency_means(records: list[dict]) -> dict:

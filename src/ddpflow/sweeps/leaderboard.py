@@ -13,20 +13,19 @@ code or data) are shown as stale, never as finished.
 
 from __future__ import annotations
 
-import csv
-import html
-import io
 import json
 import math
 import os
 from pathlib import Path
 
 from ddpflow.config import Config, from_dict
-from ddpflow.data.prepared import write_json_atomic
+from ddpflow.core import reading
+from ddpflow.core.quoting import html_text, write_csv
+from ddpflow.core.writing import write_json_atomic, write_text_atomic
 from ddpflow.launch.slots import read_record
 from ddpflow.results.collect import stage_row
 from ddpflow.results.report import CSS, ONLOAD, _fmt, _img
-from ddpflow.sweeps.plan import read_plan
+from ddpflow.sweeps.plan import PLAN_FIX, read_plan, trial_config_path
 from ddpflow.tracking.mlflowrun import finish_workflow_run
 
 COLUMNS = ["rank", "trial", "best", "status", "reason", "monitor", "mode", "final_value",
@@ -45,9 +44,11 @@ def _reason_from_log(log: Path) -> str | None:
     return text[:300] if text else None
 
 
-def trial_row(entry: dict, logs: Path) -> dict:
-    """One trial's row from its stages' summaries (stage_row: freshness included)."""
-    cfg = from_dict(json.loads(Path(entry["config"]).read_text()))
+def trial_row(cfg: Config, entry: dict, logs: Path) -> dict:
+    """One trial's row from its stages' summaries (stage_row: freshness included); `cfg`
+    is the sweep's, `entry` the trial's row of the validated plan."""
+    cfg = from_dict(reading.read_json(trial_config_path(cfg, entry), {"type": "object"},
+                                      f"trial {entry['id']}'s config", PLAN_FIX))
     rows = [stage_row(cfg, st.name)[0] for st in cfg.stages]
     last = rows[-1]
     row = {"trial": entry["id"], "variant": entry.get("variant"),
@@ -84,10 +85,9 @@ def _mode(cfg: Config) -> str | None:
 
 
 def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    """A stage's summary.json or failed.json, or None (missing or damaged: collect's row for
+    the stage already says what is wrong with it)."""
+    return reading.read_json_or_none(path, {"type": "object"}, "stage record")
 
 
 def _status(cfg: Config, rows: list[dict], logs: Path) -> tuple[str, str]:
@@ -126,24 +126,20 @@ def collect(cfg: Config, logs: Path | None = None) -> str:
     """Write the leaderboard files; return the headline text."""
     plan = read_plan(cfg)
     logs = Path(logs or Path("logs") / cfg.run / "trials")
-    rows = rank([trial_row(e, logs) for e in plan["trials"]])
+    rows = rank([trial_row(cfg, e, logs) for e in plan["trials"]])
     out = cfg.run_dir / "sweep"
     swept = plan["swept"]
-    buf = io.StringIO()
     fields = COLUMNS[:3] + ["variant"] + [f"param:{k}" for k in swept] + COLUMNS[3:]
-    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(rows)
     figures = _plots(rows, swept, out)
     best = next((r for r in rows if r["best"]), None)
     board = {"run": cfg.run, "swept": swept, "trials": rows, "best": best and {
         "trial": best["trial"], "value": best["best_value"], "monitor": best["monitor"],
         "weights": best["weights"]}, "figures": sorted(p.name for p in figures.values())}
-    (out / "leaderboard.csv").write_text(buf.getvalue())
+    write_csv(out / "leaderboard.csv", fields, rows)
     write_json_atomic(out / "leaderboard.json", board)
-    (out / "report.html").write_text(render(cfg, board, figures, out))
+    write_text_atomic(out / "report.html", render(cfg, board, figures, out))
     text = headline(cfg, rows, best, out)
-    (out / "headline.txt").write_text(text)
+    write_text_atomic(out / "headline.txt", text)
     finish_workflow_run(cfg, [out / n for n in ("leaderboard.csv", "leaderboard.json",
                                                 "report.html", "headline.txt")]
                         + sorted(figures.values()), sweep=True)
@@ -206,28 +202,28 @@ def render(cfg: Config, board: dict, figures: dict[str, Path], out: Path) -> str
     trs = []
     for r in board["trials"]:
         link = os.path.relpath(r["report"], out)
-        cells = [str(r["rank"]), ("&#9733; " if r["best"] else "") + html.escape(r["trial"]),
+        cells = [html_text(r["rank"]), ("&#9733; " if r["best"] else "") + html_text(r["trial"]),
                  *[_fmt(r.get(f"param:{k}")) for k in board["swept"]],
                  _fmt(r["status"]) + (f": {_fmt(r['reason'])}" if r["reason"] else ""),
                  _fmt(r["best_value"]), _fmt(r["final_value"]), _fmt(r["wall_time_s"]),
                  _fmt(r["wall_samples_per_s"]), _fmt(r["gpu_hours"]),
-                 f'<a href="{html.escape(link)}">report</a>'
+                 f'<a href="{html_text(link)}">report</a>'
                  if Path(r["report"]).is_file() else "–"]
         cls = ' class="ok"' if r["best"] else ""
         trs.append(f"<tr{cls}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    table = (f'<table id="leaderboard"><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>'
-             f'{"".join(trs)}</table>')
+    table = (f'<table id="leaderboard"><tr>{"".join(f"<th>{html_text(h)}</th>" for h in head)}'
+             f'</tr>{"".join(trs)}</table>')
     best = board["best"]
-    best_html = (f"<p>Best trial <b>{html.escape(best['trial'])}</b>: {best['monitor']} "
-                 f"{_fmt(best['value'])}, weights <code>{html.escape(str(best['weights']))}"
+    best_html = (f"<p>Best trial <b>{html_text(best['trial'])}</b>: {html_text(best['monitor'])} "
+                 f"{_fmt(best['value'])}, weights <code>{html_text(str(best['weights']))}"
                  f"</code></p>" if best else '<p class="bad">No trial finished.</p>')
-    imgs = "".join(f"<figure>{_img(p, k)}<figcaption>{html.escape(k)}</figcaption></figure>"
+    imgs = "".join(f"<figure>{_img(p, k)}<figcaption>{html_text(k)}</figcaption></figure>"
                    for k, p in figures.items())
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>ddpflow sweep: {html.escape(cfg.run)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>ddpflow sweep: {html_text(cfg.run)}</title>
 <style>{CSS}</style><script>{ONLOAD}</script></head>
 <body data-images-loaded="0">
-<h1>ddpflow sweep <code>{html.escape(cfg.run)}</code>: {len(board['trials'])} trial(s)</h1>
+<h1>ddpflow sweep <code>{html_text(cfg.run)}</code>: {len(board['trials'])} trial(s)</h1>
 {best_html}
 <h2>Leaderboard</h2>{table}
 <h2>Plots</h2>{imgs or '<p>No trial finished yet.</p>'}
