@@ -264,8 +264,8 @@ def run(argv: list[str] | None = None) -> int:
         print(report(cfg))
         return 0
     if args.command == "tune":
-        from ddpflow.launch.launcher import tune
         from ddpflow.launch.slots import hold
+        from ddpflow.launch.tuning import tune
 
         with hold(cfg, cfg.run_dir / "tune" / "slot.json", f"{cfg.run}/tune"):
             return tune(cfg, args.stage, args.memory_cap_mb)

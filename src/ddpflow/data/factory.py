@@ -9,12 +9,13 @@ Batches come from torch's DataLoader
 `EpochSampler` as the prepared data: DistributedSampler order with a start offset, so a
 resumed epoch skips exactly the batches already trained. The model is called as
 model(input), model(*input) for a tuple, model(**input) for a dict.
+
+Items keep the seam contract (seams/contract.py), probed on the first, a middle and the
+last item of each split (every item with data.materialize): finite, of one shape, a 3-D
+input a C x H x W image, a class index as the target of the built-in classification task.
 """
 
 from __future__ import annotations
-
-import numbers
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, Subset
 
 from ddpflow.core.errors import UserError
 from ddpflow.data.loaders import EpochSampler
+from ddpflow.seams import contract
 from ddpflow.seams.userimport import add_code_dirs, call, load_callable
 
 
@@ -46,45 +48,27 @@ def dataset(cfg, split: str):
     return ds
 
 
-def _leaves_ok(x: Any) -> str | None:
-    """None if x is a tensor/number or a tuple/list/dict of them, else what it is."""
-    if isinstance(x, (torch.Tensor, np.ndarray, numbers.Number)):
-        return None
-    if isinstance(x, (tuple, list)):
-        return next((w for w in map(_leaves_ok, x) if w), None) if x else "an empty tuple"
-    if isinstance(x, dict):
-        return next((w for w in map(_leaves_ok, x.values()) if w), None) if x else "an empty dict"
-    image = "Image" in type(x).__name__
-    hint = " (add a transform that makes a tensor, e.g. ToTensor)" if image else ""
-    return f"{type(x).__name__}{hint}"
+def num_classes_of(ds) -> int | None:
+    """The class count a dataset declares (`num_classes`, or `classes`), or None."""
+    classes = getattr(ds, "classes", None)
+    return getattr(ds, "num_classes", None) or (len(classes) if classes else None)
 
 
-def check_item(ds, split: str, setting: str = "data.factory"):
-    """The first item, checked: (input, target) of tensors. Returns it."""
-    try:
-        item = ds[0]
-    except Exception as e:  # noqa: BLE001 - the user's __getitem__ raised
-        from ddpflow.seams.userimport import cause
-
-        raise UserError(f"{setting}: reading item 0 of the '{split}' dataset failed "
-                        f"({cause(e)})") from None
-    if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise UserError(f"{setting}: items of the '{split}' dataset must be (input, target) "
-                        f"pairs; item 0 is {type(item).__name__}"
-                        + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
-    bad = _leaves_ok(item)
-    if bad:
-        raise UserError(f"{setting}: item 0 of the '{split}' dataset holds {bad}, not tensors")
-    return item
+def check_item(ds, split: str, cfg, in_channels: int | None = None):
+    """The first, a middle and the last item, checked against the seam contract
+    (contract.check_items: (input, target) pairs of finite tensors of one shape, C x H x W
+    images, class indices for the built-in classification task). Returns the first."""
+    setting = "data.materialize" if cfg.data.materialize else "data.factory"
+    return contract.check_items(ds, f"{setting} {cfg.data.factory}", split, in_channels,
+                                num_classes_of(ds), classify=cfg.task.name == "classification",
+                                materialize=cfg.data.materialize)
 
 
 def describe(ds, item) -> dict:
     """What the rest of ddpflow needs to know of a user dataset (recorded in meta.json)."""
     x = item[0]
     shape = list(x.shape) if isinstance(x, torch.Tensor) else None
-    classes = getattr(ds, "classes", None)
-    num_classes = getattr(ds, "num_classes", None) or (len(classes) if classes else None)
-    return {"input_shape": shape, "num_classes": num_classes,
+    return {"input_shape": shape, "num_classes": num_classes_of(ds),
             "in_channels": shape[0] if shape and len(shape) == 3 else None}
 
 
@@ -133,25 +117,24 @@ def val_batches(ds, batch_size, device, world, rank, data_cfg):
         yield to_device(batch, device)
 
 
-def materialize(ds, split: str) -> tuple[np.ndarray, np.ndarray]:
+def materialize(ds, split: str, cfg) -> tuple[np.ndarray, np.ndarray]:
     """A dataset of fixed-size images (C,H,W uint8, or float in [0, 1]) and integer labels
-    as the prepared uint8 NHWC arrays (data.materialize: the device loader then applies)."""
-    first = check_item(ds, split, "data.materialize")
-    x0 = first[0]
-    if not (isinstance(x0, torch.Tensor) and x0.ndim == 3):
-        raise UserError(f"data.materialize needs image items (C, H, W tensors); item 0 of "
-                        f"'{split}' is {type(x0).__name__}"
-                        + (f" of shape {tuple(x0.shape)}" if hasattr(x0, "shape") else ""))
-    c, h, w = x0.shape
+    as the prepared uint8 NHWC arrays (data.materialize: the device loader then applies).
+    Every item is read, so every item is checked (contract.check_item)."""
+    name, n = f"data.materialize {cfg.data.factory}", num_classes_of(ds)
+    first = contract.check_items(ds, name, split, None, n, materialize=True)
+    c, h, w = first[0].shape
     images = np.empty((len(ds), h, w, c), dtype=np.uint8)
     labels = np.empty(len(ds), dtype=np.int64)
     for i in range(len(ds)):
-        x, y = ds[i]
+        item = contract.read_item(ds, i, name, split)
+        contract.check_item(item, i, name, split, c, n, materialize=True)
+        x, y = torch.as_tensor(item[0]), item[1]
         if tuple(x.shape) != (c, h, w):
-            raise UserError(f"data.materialize: item {i} of '{split}' has shape "
-                            f"{tuple(x.shape)}, item 0 has {(c, h, w)}; images must be one size")
+            raise UserError(f"{name}: item {i} of '{split}' has shape {tuple(x.shape)}, item "
+                            f"0 has {(c, h, w)}; images must be one size")
         if x.dtype != torch.uint8:
-            x = (x.float().clamp(0, 1) * 255).round().to(torch.uint8)
+            x = (x.float() * 255).round().to(torch.uint8)
         images[i] = x.permute(1, 2, 0).numpy()
         labels[i] = int(y)
     return images, labels

@@ -8,7 +8,6 @@ of a dead peer (stale addresses, pytorch issue 135712).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -19,12 +18,12 @@ from pathlib import Path
 import torch
 
 from ddpflow.config import Config
-from ddpflow.core import lazydynamo, locks
+from ddpflow.core import lazydynamo, locks, quoting, reading
 from ddpflow.core.errors import UserError
+from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
-from ddpflow.data.prepared import write_json_atomic
-from ddpflow.engine import checkpoint
+from ddpflow.engine import checkpoint, weights
 from ddpflow.launch.procs import TORCHRUN, WarmAgent, run_torchrun
 from ddpflow.launch.slurmnodes import (
     check_slurm_gpus,
@@ -34,8 +33,9 @@ from ddpflow.launch.slurmnodes import (
     srun_command,
 )
 from ddpflow.results.provenance import expected_record, stage_result
-from ddpflow.results.summary import result_text, write_summary
+from ddpflow.results.summary import result_text, summary_problem, write_summary
 from ddpflow.results.wallclock import LAUNCH_T0, complete
+from ddpflow.seams import contract
 from ddpflow.seams.userimport import add_code_dirs
 
 EXIT_STOPPED = 75  # stopped at a checkpoint before the end (preempted): run again to resume
@@ -138,18 +138,15 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
         prev = cfg.stages[i - 1].name
         summary, stale = stage_result(cfg, prev)
         if summary is None:
+            problem = summary_problem(cfg.stage_dir(prev) / "summary.json")
             raise UserError(f"stage '{stage}' starts from stage '{prev}', which has not "
-                            f"finished; run '{prev}' first")
+                            f"finished; run '{prev}' first" + (f" ({problem})" if problem
+                                                              else ""))
         if stale:
             raise UserError(f"stage '{stage}' starts from stage '{prev}', whose result is "
                             f"{stale}; run '{prev}' again first (the workflow does)")
-    elif st.init_from:
-        src = Path(st.init_from)
-        if not src.is_file():
-            raise UserError(f"init_from of stage '{stage}': {src} does not exist")
-        if model is not None:
-            checkpoint.check_fits(model, checkpoint.load_weights(src, f"stages.{i}.init_from"),
-                                  f"stages.{i}.init_from {src}")
+    elif st.init_from:  # a file (not a folder), a state dict, finite, that fits the model
+        weights.check_init_from(model, Path(st.init_from), f"stages.{i}.init_from")
 
 
 def _check_seams(cfg: Config, st, meta: dict, model) -> None:
@@ -164,7 +161,8 @@ def _check_seams(cfg: Config, st, meta: dict, model) -> None:
     if not st.init_from and cfg.model.weights:
         src = pretrained_file(cfg)
         sd = read_state_dict(src, "model.weights")
-        load_pretrained(_ShapesOnly(model), sd, f"model.weights {src}")
+        load_pretrained(_ShapesOnly(model), sd, f"model.weights {src}",
+                        cfg.model.weights_partial)
     prefixes = st.freeze if st.freeze is not None else cfg.model.freeze
     freeze(model, prefixes, f"stages.{cfg.stage_index(st.name)}.freeze"
            if st.freeze is not None else "model.freeze")
@@ -192,20 +190,25 @@ def _model_on_meta(cfg: Config, meta: dict):
 
     if meta.get("kind") == "python":  # a user dataset: any input; only build the model
         with torch.device("meta"):
-            return build_model(cfg.model, meta.get("num_classes"), meta.get("in_channels"))
+            return build_model(cfg.model, meta.get("num_classes"), meta.get("in_channels"),
+                               contract.probe(cfg, meta))
     c = meta["image_shape"][2]
     h = w = cfg.data.image_size  # what the model sees: the crop of the stored image
     in_ch = input_channels(cfg.model.name, c)
     with torch.device("meta"):
         model = build_model(cfg.model, meta["num_classes"], in_ch)
         try:
-            model.eval()(torch.zeros(2, in_ch, h, w))
+            out = model.eval()(torch.zeros(2, in_ch, h, w))
         except (NotImplementedError, TypeError):  # an op without a meta kernel: skip the probe
-            pass
+            out = None
         except RuntimeError as e:
             raise UserError(f"data.image_size {h} is too small for model.name "
                             f"'{cfg.model.name}' ({str(e).splitlines()[0][:160]}); use larger "
                             f"images or another model") from None
+    if out is not None:  # the seam contract's output rules (shapes: meta has no values)
+        expected = contract.probe(cfg, meta)
+        contract.check_outputs(out, f"model.name {cfg.model.name}", expected.task,
+                               expected.width)
     return model
 
 
@@ -214,8 +217,8 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
     """The torchrun command line and environment for one stage (or its tuning);
     `ranks` is stage_ranks(cfg, stage) where the caller has it already."""
     n, _device, env = ranks or stage_ranks(cfg, stage)
-    train = ["--module", "ddpflow", command, "--resolved", str(resolved), "--stage", stage,
-             *extra_args]
+    train = ["--module", "ddpflow", command, "--resolved", quoting.path_arg(resolved),
+             "--stage", stage, *extra_args]
     restarts = f"--max-restarts={cfg.hardware.max_restarts}"
     if cfg.hardware.nodes == 1:
         # a c10d rendezvous on this machine: every restart round gets fresh store keys, so a
@@ -228,16 +231,18 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
     return srun_command(cfg, n, resolved, restarts, train), env
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        d = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) else None
+# a rank's failed.json and error.json as read here (missing or damaged: none left)
+_TEXT = {"type": "string"}
+FAILED_SCHEMA = {"type": "object", "required": ["reason"], "properties": {"reason": _TEXT}}
+RANK_ERROR_SCHEMA = {"type": "object", "required": ["message"], "properties": {"message": _TEXT}}
+
+
+def _read_json(path: Path, schema: dict = RANK_ERROR_SCHEMA) -> dict | None:
+    return reading.read_json_or_none(path, schema, "a rank's report")
 
 
 def _read_failure(out: Path) -> dict | None:
-    return _read_json(out / "failed.json")
+    return _read_json(out / "failed.json", FAILED_SCHEMA)
 
 
 def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = (),
@@ -277,7 +282,7 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
         shown = " ".join(f"{k}={v}" for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES")
         per = f"{cfg.hardware.nodes} node(s) x " if cfg.hardware.nodes > 1 else ""
         print(f"ddpflow: stage '{stage}': {per}{n} rank(s) on {device}", file=sys.stderr)
-        print(f"ddpflow: {shown + ' ' if shown else ''}{' '.join(cmd)}", file=sys.stderr)
+        print(f"ddpflow: {shown + ' ' if shown else ''}{quoting.shell_line(cmd)}", file=sys.stderr)
     if dry_run:
         return 0
     # one writer per stage; inside the container the launcher outside already holds it
@@ -380,41 +385,3 @@ def _outcome(cfg: Config, stage: str, rc: int, stop_signal: str | None, quiet: b
                    f"restart(s)")
     said(f"ddpflow: error: stage '{stage}' failed: {why}; {kept}", file=sys.stderr)
     return rc if rc > 0 else 1
-
-
-def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
-    """`ddpflow tune`: one torchrun whose ranks measure together; writes <run>/tune.json."""
-    stage = stage or cfg.tune.stage or cfg.stages[0].name
-    cfg.stage(stage)
-    check_slurm_gpus(cfg)
-    meta = prepared.read_meta(cfg.data_dir)
-    if meta is None:
-        raise UserError(f"no prepared data at {cfg.data_dir}; run `ddpflow prepare` first")
-    check_settings(cfg, meta)
-    if meta.get("kind") == "python" or cfg.task.name != "classification":
-        raise UserError("ddpflow tune measures the prepared image data with the classification "
-                        "task; with data.source python (without data.materialize) or another "
-                        "task, set batch_size and precision in the stage instead of auto")
-    out = cfg.run_dir / "tune"
-    resolved = out / "config.json"
-    extra = [f"--memory-cap-mb={memory_cap_mb}"] if memory_cap_mb else []
-    cmd, env = plan(cfg, stage, resolved, extra, command="tune-rank")
-    print(f"ddpflow: tuning for stage '{stage}': {' '.join(cmd)}", file=sys.stderr)
-    with locks.exclusive(out / ".lock", f"tuning of run '{cfg.run}' ({out})"):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / RANK_ERROR).unlink(missing_ok=True)
-        shutil.rmtree(roll_call_dir(resolved), ignore_errors=True)
-        write_json_atomic(resolved, cfg.to_dict())
-        rc, _ = run_torchrun(cmd, env, watch=out / RANK_ERROR)
-        rank_error = _read_json(out / RANK_ERROR)
-        if rank_error:
-            raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
-    result = cfg.run_dir / "tune.json"
-    if rc != 0 or not result.is_file():
-        why = (rc and missing_nodes_text(cfg, out)) or f"torchrun exited with {rc}"
-        print(f"ddpflow: error: tuning failed ({why})", file=sys.stderr)
-        return rc or 1
-    choice = json.loads(result.read_text())["choice"]
-    print(f"ddpflow: tuned -> {result}: " + ", ".join(f"{k} {v}" for k, v in choice.items()),
-          file=sys.stderr)
-    return 0

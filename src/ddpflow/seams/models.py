@@ -1,7 +1,8 @@
 """The model builder seam: `model.name` is a built-in (`smallcnn`, `mlp`), a torchvision
 classifier, `timm:NAME` (the optional timm extra) or the user's `package.module:callable`.
 Built-ins and user builders are called the same way: `model.kwargs` plus `num_classes` and
-`in_channels` where the callable takes them."""
+`in_channels` where the callable takes them, and checked by the one seam contract
+(contract.py) when given a probe."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from ddpflow.core.errors import UserError
+from ddpflow.seams.contract import Probe, check_model
 from ddpflow.seams.userimport import call, is_import_path, load_callable
 
 
@@ -65,11 +67,21 @@ def input_channels(name: str, data_channels: int) -> int:
     return 3 if kind(name) == "torchvision" else data_channels
 
 
-def build_model(mc, num_classes: int | None, data_channels: int | None) -> nn.Module:
+def build_model(mc, num_classes: int | None, data_channels: int | None,
+                probe: Probe | None = None) -> nn.Module:
     """The model that model config `mc` (or a bare name) names, freshly initialised; weights
-    come later (weights.py)."""
+    come later (weights.py). With a probe (contract.probe(cfg, meta)) one forward of 2 probe
+    images checks its outputs (contract.check_model): on the meta device, shapes only."""
     if isinstance(mc, str):
         mc = SimpleNamespace(name=mc, kwargs={})
+    model = _build(mc, num_classes, data_channels)
+    if probe is not None and probe.hw and data_channels:
+        check_model(model, num_classes, data_channels, probe.hw, f"model.name {mc.name}",
+                    probe.task, probe.width)
+    return model
+
+
+def _build(mc, num_classes: int | None, data_channels: int | None) -> nn.Module:
     k = kind(mc.name)
     if k == "builtin":
         return BUILTIN[mc.name](num_classes, in_channels=data_channels or 3, **mc.kwargs)

@@ -14,6 +14,9 @@ where higher is better; the others are minimised).
 
 `task.name: package.module:callable` builds a user task from `task.kwargs` (plus
 `label_smoothing` and `num_classes` where the callable takes them).
+
+Built-in and user tasks alike come wrapped in `FirstBatchChecked`: the first batch a
+process scores goes through the seam contract (contract.check_task).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpflow.core.errors import UserError, short
+from ddpflow.seams import contract
 from ddpflow.seams.userimport import call, is_import_path, load_callable
 
 
@@ -68,7 +72,13 @@ BUILTIN = {"classification": Classification, "regression": Regression}
 
 
 def build_task(cfg, st, num_classes: int | None):
-    """The task named by task.name for stage st."""
+    """The task named by task.name for stage st, its first batch checked."""
+    model = getattr(getattr(cfg, "model", None), "name", None)
+    return FirstBatchChecked(_build(cfg, st, num_classes), cfg.task.name,
+                             f"model.name {model}" if model else "the model")
+
+
+def _build(cfg, st, num_classes: int | None):
     name = cfg.task.name
     if name == "classification":
         return Classification(st.label_smoothing, **cfg.task.kwargs)
@@ -84,6 +94,38 @@ def build_task(cfg, st, num_classes: int | None):
             raise UserError(f"task.name: {name} returned {type(task).__name__}, which has no "
                             f"{method}(outputs, batch) method")
     return task
+
+
+class FirstBatchChecked:
+    """The task as the engine calls it, through the seam contract on the first call of
+    each method in this process (one sync each): loss() (a training step, or validation
+    when it comes first) by contract.check_task (outputs against targets for the
+    built-ins, a finite scalar loss), metrics() (validation batches only: training batches
+    may hold mixup's soft targets) by contract.check_metrics (a count > 0)."""
+
+    def __init__(self, task, name: str, model: str):
+        self.task, self.name, self.model = task, name, model
+        self.loss_checked = self.metrics_checked = False
+
+    def __getattr__(self, attr):  # monitor, maximize and the user's own attributes
+        if attr == "task":
+            raise AttributeError(attr)
+        return getattr(self.task, attr)
+
+    def loss(self, outputs, batch):
+        if self.loss_checked:
+            return self.task.loss(outputs, batch)
+        self.loss_checked = True
+        return contract.check_task(self.task, outputs, batch, f"task.name {self.name}",
+                                   self.name if self.name in BUILTIN else None, self.model,
+                                   metrics=False)
+
+    def metrics(self, outputs, batch):
+        if self.metrics_checked:
+            return self.task.metrics(outputs, batch)
+        self.metrics_checked = True
+        return contract.check_metrics(self.task.metrics(outputs, batch),
+                                      f"task.name {self.name}")
 
 
 def monitor(cfg, task) -> tuple[str, str]:
@@ -110,53 +152,9 @@ def improves(metrics: dict, name: str, mode: str, best, task_name: str) -> bool:
 
 def check_loss(loss, task_name: str) -> None:
     """The first step's loss must be a scalar tensor (else backward() fails obscurely)."""
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                else type(loss).__name__)
-        raise UserError(f"task.name {task_name}: loss(outputs, batch) returned {what}, not a "
-                        f"scalar tensor; reduce it (e.g. .mean())")
-    if not loss.requires_grad:
-        raise UserError(f"task.name {task_name}: loss(outputs, batch) does not depend on the "
-                        f"model's outputs (no gradient); compute it from `outputs`")
+    contract.check_loss(loss, f"task.name {task_name}")
 
 
 def metric_pairs(values, task_name: str) -> dict[str, tuple]:
     """metrics(...)'s result checked: {name: (sum, count)} with names fit for val_<name>."""
-    if not isinstance(values, dict):
-        raise UserError(f"task.name {task_name}: metrics(outputs, batch) returned "
-                        f"{type(values).__name__}, not a dict of name -> (sum, count)")
-    for key, pair in values.items():
-        if not (isinstance(key, str) and key.isidentifier() and isinstance(pair, (tuple, list))
-                and len(pair) == 2):
-            raise UserError(f"task.name {task_name}: metrics(outputs, batch) item {short(key)} "
-                            f"must be a name -> (sum, count) pair")
-    return values
-
-
-class MetricSums:
-    """A task's validation metrics: (sum, count) per name, added up on the device, summed
-    across ranks once by `reduce`, reported as {"val_<name>": sum / count}."""
-
-    def __init__(self, task, task_name: str, device):
-        self.task, self.task_name, self.device = task, task_name, device
-        self.sums: dict[str, torch.Tensor] = {}
-
-    def add(self, outputs, batch) -> None:
-        values = dict(metric_pairs(self.task.metrics(outputs, batch), self.task_name))
-        if "loss" not in values:  # the training loss, weighted by the batch size
-            n = next(iter(values.values()))[1] if values else len(batch[1])
-            values["loss"] = (self.task.loss(outputs, batch).float() * n, n)
-        for name, (total, count) in values.items():
-            pair = torch.stack([torch.as_tensor(total, device=self.device).double(),
-                                torch.as_tensor(count, device=self.device).double()])
-            self.sums[name] = self.sums[name] + pair if name in self.sums else pair
-
-    def reduce(self, d) -> dict[str, float]:
-        from ddpflow.engine import distributed
-
-        # ranks agree on the names first: a rank without validation batches has none
-        names = sorted(set().union(*distributed.gather_objects(d, sorted(self.sums))))
-        zero = torch.zeros(2, dtype=torch.float64, device=self.device)
-        totals = distributed.all_sum(d, torch.stack([self.sums.get(k, zero) for k in names]))
-        return {f"val_{k}": (t / c if c else float("nan"))
-                for k, (t, c) in zip(names, totals.tolist())}
+    return contract.metric_pairs(values, f"task.name {task_name}")
