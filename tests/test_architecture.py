@@ -162,9 +162,6 @@ BOUNDARIES = {
         "allowed": {
             "engine/checkpoint.py": "checkpoints of ddpflow's own stage folder (keep-last, "
                                     "atomic rename of its own temp files)",
-            "launch/launcher.py": "the roll-call folder ddpflow makes beside its resolved config",
-            "inference/evaluate.py": "the roll-call folder ddpflow makes beside its resolved "
-                                     "config",
         },
     },
     "quoting (core/quoting.py)": {

@@ -135,6 +135,12 @@ def write_json_atomic(path: str | Path, obj: Any, what: str | None = None) -> No
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", what)
 
 
+def remove_scratch(folder: str | Path) -> None:
+    """Remove a scratch folder ddpflow made for itself inside its own run folder (a roll
+    call's answers): never a place the user named."""
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def preallocate(path: str | Path) -> None:
     """Reserve the blocks of `path` (a file just sized, e.g. a memory map): a full disk is an
     OSError (ENOSPC) here, not a SIGBUS later when a page of a sparse file is written. A

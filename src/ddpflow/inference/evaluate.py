@@ -10,7 +10,6 @@ the node's ranks with torchrun like training.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from ddpflow.config import Config
 from ddpflow.core import reading, writing
 from ddpflow.core.errors import UserError
 from ddpflow.core.quoting import write_csv
-from ddpflow.core.writing import write_json_atomic
+from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import imagefolder, prepared
 from ddpflow.data.prepare import check_settings
 from ddpflow.engine import distributed
@@ -90,7 +89,7 @@ def _run(cfg: Config, stage: str, split: str, images: str | None, weights: str, 
     extra = [f"--split={split}", f"--weights={weights}", f"--out={folder}"]
     extra += [f"--images={images}"] if images else []
     cmd, env = plan(cfg, stage, resolved, extra, command="evaluate-rank")
-    shutil.rmtree(roll_call_dir(resolved), ignore_errors=True)  # several nodes: who answers
+    remove_scratch(roll_call_dir(resolved))  # several nodes: who answers
     rc, _ = run_torchrun(cmd, env, watch=folder / RANK_ERROR)
     rank_error = reading.read_json_or_none(folder / RANK_ERROR, RANK_ERROR_SCHEMA,
                                            "a rank's report")
@@ -130,7 +129,7 @@ def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: 
                      input_channels(cfg.model.name, meta["image_shape"][2]), d.device)
     if images:
         files, labels = _labelled_folder(images, meta["classes"])
-        mine = list(range(d.rank, len(files), d.world))
+        mine = share(len(files), d.rank, d.world).tolist()
         x, kept, bad = decode([files[i] for i in mine], cfg.data.store_size, cfg.data.grayscale)
         skipped = [(files[mine[i]], why) for i, why in bad.items()]
         idx = np.array([mine[i] for i in kept], dtype=np.int64)
@@ -140,7 +139,7 @@ def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: 
             return x[a:b]
     else:
         x_all, y_all = arrays[split]
-        idx = np.arange(d.rank, len(y_all), d.world)
+        idx = share(len(y_all), d.rank, d.world)
         y, skipped = y_all[idx], []
 
         def rows(a, b):  # read (JPEG shards: decode) one batch at a time
@@ -154,9 +153,26 @@ def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: 
             torch.as_tensor(np.asarray(y), dtype=torch.long), skipped)
     gathered = distributed.gather_objects(d, mine)  # a collective: every rank's outputs
     if d.is_master:
+        each_once(np.concatenate([g[0] for g in gathered]),
+                  len(files) if images else len(y_all), sum(len(g[3]) for g in gathered))
         _write(cfg, meta, gathered, out, {"stage": stage, "split": images or split,
                                           "weights": record, "world_size": d.world})
     distributed.teardown(d)
+
+
+def share(n: int, rank: int, world: int) -> np.ndarray:
+    """This rank's images of n: every world-th from its rank, so each image is evaluated
+    by exactly one rank (no padding to a multiple of the ranks, nothing left out)."""
+    return np.arange(rank, n, world, dtype=np.int64)
+
+
+def each_once(idx: np.ndarray, n: int, skipped: int) -> None:
+    """The gathered image numbers: each of the n at most once, all but the skipped ones."""
+    if len(np.unique(idx)) != len(idx) or len(idx) + skipped != n or (
+            len(idx) and (idx.min() < 0 or idx.max() >= n)):
+        raise RuntimeError(f"evaluate gathered {len(idx)} results ({len(np.unique(idx))} "
+                           f"distinct) for {n} images ({skipped} skipped): an image was "
+                           f"counted twice or not at all")
 
 
 def _labelled_folder(root: str, classes: list[str]) -> tuple[list[str], np.ndarray]:

@@ -9,7 +9,6 @@ of a dead peer (stale addresses, pytorch issue 135712).
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -20,7 +19,7 @@ import torch
 from ddpflow.config import Config
 from ddpflow.core import lazydynamo, locks, quoting, reading
 from ddpflow.core.errors import UserError
-from ddpflow.core.writing import write_json_atomic
+from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
 from ddpflow.engine import checkpoint, weights
@@ -304,7 +303,7 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
                                                   list(extra_args), t0), None
         else:
             write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
-            shutil.rmtree(roll_call_dir(out / "config.json"), ignore_errors=True)
+            remove_scratch(roll_call_dir(out / "config.json"))
             rc, stop_signal = run_torchrun(cmd, {**env, LAUNCH_T0: f"{t0:.6f}"},  # ranks
                                            watch=out / RANK_ERROR, agent=agent)  # count from t0
         complete_wall(cfg, stage, t0)

@@ -3,13 +3,12 @@ whose ranks measure together (engine/tune.py); the choice lands in <run>/tune.js
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 from ddpflow.config import Config
 from ddpflow.core import locks, quoting, reading
 from ddpflow.core.errors import UserError
-from ddpflow.core.writing import write_json_atomic
+from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
 from ddpflow.launch.launcher import RANK_ERROR, _read_json, plan
@@ -38,7 +37,7 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
     with locks.exclusive(out / ".lock", f"tuning of run '{cfg.run}' ({out})"):
         out.mkdir(parents=True, exist_ok=True)
         (out / RANK_ERROR).unlink(missing_ok=True)
-        shutil.rmtree(roll_call_dir(resolved), ignore_errors=True)
+        remove_scratch(roll_call_dir(resolved))
         write_json_atomic(resolved, cfg.to_dict())
         rc, _ = run_torchrun(cmd, env, watch=out / RANK_ERROR)
         rank_error = _read_json(out / RANK_ERROR)
