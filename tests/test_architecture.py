@@ -219,3 +219,19 @@ def test_the_trainer_collaborators_take_no_trainer():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = [a.arg for a in node.args.args + node.args.kwonlyargs]
                 assert not {"t", "trainer"} & set(args), f"engine/{name}.py {node.name}{args}"
+
+
+def test_user_code_is_reached_only_through_the_three_seams():
+    """load_callable (the user's `package.module:callable`) is called by the model builder,
+    task and dataset factory seams alone; each of them runs its result through
+    seams/contract.py."""
+    seams = {"seams/models.py", "seams/tasks.py", "data/factory.py"}
+    callers = set()
+    for path in sorted(SRC.rglob("*.py")):
+        rel = str(path.relative_to(SRC))
+        if rel != "seams/userimport.py" and any(
+                callee.endswith("load_callable") for callee, _ in _calls(path)):
+            callers.add(rel)
+    assert callers == seams, callers
+    for rel in seams:
+        assert "contract" in (SRC / rel).read_text(), f"{rel} does not use seams/contract.py"
