@@ -28,8 +28,17 @@ def test_search_when_nothing_fits():
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tune")
+    # the user's own model from model.code_dir (not on sys.path): every command that builds a
+    # model (here the tuning ranks) finds it the same way
+    (tmp / "code").mkdir()
+    (tmp / "code" / "mynet.py").write_text(
+        "from ddpflow.seams.models import SmallCNN\n\n"
+        "def build(num_classes, in_channels):\n"
+        "    return SmallCNN(num_classes, in_channels=in_channels)\n")
     cfg = tiny_config(tmp, tune={"steps": 3, "start_batch": 8, "max_batch": 1024},
-                      stages=[{"name": "s1", "max_steps": 6, "batch_size": "auto"}])
+                      model={"name": "mynet:build", "code_dir": str(tmp / "code")},
+                      stages=[{"name": "s1", "max_steps": 6, "batch_size": "auto",
+                               "precision": "auto", "channels_last": "auto"}])
     p = write_config(tmp, cfg)
     ddpflow("prepare", "--config", p, check=True)
     proc = ddpflow("launch", "--config", p, "--stage", "s1")

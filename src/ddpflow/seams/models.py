@@ -12,7 +12,7 @@ from torch import nn
 
 from ddpflow.core.errors import UserError
 from ddpflow.seams.contract import Probe, check_model
-from ddpflow.seams.userimport import call, is_import_path, load_callable
+from ddpflow.seams.userimport import add_code_dir, call, is_import_path, load_callable
 
 
 class SmallCNN(nn.Module):
@@ -86,6 +86,7 @@ def _build(mc, num_classes: int | None, data_channels: int | None) -> nn.Module:
     if k == "builtin":
         return BUILTIN[mc.name](num_classes, in_channels=data_channels or 3, **mc.kwargs)
     if k == "user":
+        add_code_dir(getattr(mc, "code_dir", None), "model.code_dir")
         fn = load_callable(mc.name, "model.name")
         model = call(fn, "model.name", kwargs=mc.kwargs,
                      optional={"num_classes": num_classes, "in_channels": data_channels})

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddpflow.core.errors import UserError, short
+from ddpflow.core.reading import existing
 
 IMPORT_PATH_HELP = "write it as package.module:callable (the module importable from a code_dir)"
 
@@ -27,18 +28,22 @@ def is_import_path(text: str | None) -> bool:
 
 def add_code_dirs(cfg) -> None:
     """Put the user's code folders (model.code_dir, data.code_dir) first on sys.path: every
-    rank, prepare and the launcher's checks call this."""
+    rank, prepare and the launcher's checks call this (build_model too, for model.code_dir:
+    every command that builds a model finds the user's module the same way)."""
     for setting, folder in (("model.code_dir", cfg.model.code_dir),
                             ("data.code_dir", cfg.data.code_dir)):
-        if not folder:
-            continue
-        path = str(Path(folder).resolve())
-        if not Path(path).is_dir():
-            raise UserError(f"{setting} {folder} is not a folder; point it at the folder that "
-                            f"holds your Python modules (relative paths start where ddpflow "
-                            f"or snakemake runs)")
-        if path not in sys.path:
-            sys.path.insert(0, path)
+        add_code_dir(folder, setting)
+
+
+def add_code_dir(folder: str | None, setting: str) -> None:
+    """One code folder (the value of `setting`) first on sys.path; None: nothing to add."""
+    if not folder:
+        return
+    existing(folder, setting, "point it at the folder that holds your Python modules "
+             "(relative paths start where ddpflow or snakemake runs)", folder=True)
+    path = str(Path(folder).resolve())
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 
 def _origin(err: BaseException) -> str:
