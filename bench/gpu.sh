@@ -11,16 +11,26 @@
 #   fp16_resume    fp16 + GradScaler + grad clip + accumulation, pinned DataLoader: halted at
 #                  a checkpoint (exit 75), resumed, finite loss, skipped steps counted
 #   determinism    deterministic: true twice on the device loader and once on the DataLoader:
-#                  the same weights all three times
+#                  the same weights all three times (every tensor of final.pt's "model" and
+#                  "model_raw", torch.equal; the files also hold the run's name and config)
 #   compile        compile: true builds graphs (compiled_graphs > 0) and counts its FLOPs
 #   tune           `ddpflow tune --memory-cap-mb 3072`: a batch that then trains
-#   nondeterministic  a model with a CUDA op that has no deterministic kernel, deterministic:
-#                  true: one message naming the op, exit 2, no traceback
+#   nondeterministic  a model with a CUDA op that has no deterministic kernel (bilinear
+#                  interpolate's backward, in torch.use_deterministic_algorithms's list of ops
+#                  that raise), deterministic: true: one message naming the op, exit 2, no
+#                  traceback
 # Figures: ResNet-50 bf16 (channels_last and not), ResNet-18 32 px; table.md at the end.
 set -uo pipefail
 out=${1:-bench-gpu-out}
-rm -rf "$out"; mkdir -p "$out"
 py=${PYTHON:-python3}
+# no GPU, no checks: every one of them would fail (or, worse, pass on the CPU paths)
+if ! $py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null
+then
+  echo "bench/gpu.sh needs a CUDA GPU and a CUDA build of torch ($py sees none); it ran no" \
+       "checks. Run it on the GPU machine; on this one, run the test suite instead." >&2
+  exit 3
+fi
+rm -rf "$out"; mkdir -p "$out"
 fails=0
 check() {  # name command...: PASS/FAIL with the seconds it took; the log in $out/<name>.log
   local name=$1 t0=$SECONDS; shift
@@ -82,16 +92,30 @@ c_fp16() {
     "s['finished'] and s['steps'] == 40 and 0 <= s['skipped_steps'] < 40 and \
 math.isfinite(s['final_train_loss'])"
 }
+same_weights() {  # final.pt files: the same tensors under "model" (and "model_raw")
+  $py - "$@" <<'PY'
+import sys
+import torch
+first, *others = (torch.load(f, map_location="cpu", weights_only=True) for f in sys.argv[1:])
+bad = [(i, part, k) for i, other in enumerate(others, 1) for part in ("model", "model_raw")
+       if part in first or part in other
+       for k in sorted(set(first.get(part, {})) | set(other.get(part, {})))
+       if k not in first.get(part, {}) or k not in other.get(part, {})
+       or not torch.equal(first[part][k], other[part][k])]
+print(f"{len(first['model'])} tensors; differing:", bad[:5] or "none")
+sys.exit(1 if bad else 0)
+PY
+}
 c_det() {
-  local h=() run loader c
+  local f=() run loader c
   for run in det1:device det2:dataloader det3:device; do loader=${run#*:}; run=${run%%:*}
     c=$(cfg "$run" resnet18 32 8192 "loader: $loader, num_workers: 2, pin_memory: true" \
       "max_steps: 20, batch_size: 128, precision: fp32" "deterministic: true") || return 1
     timeout 120 $py -m ddpflow launch -c "$c" --stage s || return 1
-    h+=("$($py -c "import json; print(json.load(open('$(summary "$run")'))['final_sha256'])")")
+    f+=("$out/results/$run/stages/s/final.pt")
   done
-  echo "device ${h[0]}, dataloader ${h[1]}, device again ${h[2]}"
-  [ "${h[0]}" = "${h[2]}" ] && [ "${h[0]}" = "${h[1]}" ]
+  echo "device, dataloader, device again:"
+  same_weights "${f[@]}"
 }
 c_compile() {
   local c; c=$(cfg comp resnet18 32 8192 "loader: device" \
@@ -114,7 +138,9 @@ import torch
 from torch import nn
 
 
-def build(num_classes, in_channels):  # adaptive_avg_pool2d's CUDA backward: not deterministic
+def build(num_classes, in_channels):
+    # bilinear interpolate's CUDA backward (upsample_bilinear2d_backward) has no deterministic
+    # kernel: torch.use_deterministic_algorithms lists it among the ops that raise
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -122,8 +148,9 @@ def build(num_classes, in_channels):  # adaptive_avg_pool2d's CUDA backward: not
             self.fc = nn.Linear(8, num_classes)
 
         def forward(self, x):
-            h = torch.nn.functional.adaptive_avg_pool2d(self.conv(x), 1).flatten(1)
-            return self.fc(h)
+            h = torch.nn.functional.interpolate(self.conv(x), scale_factor=2, mode="bilinear",
+                                                align_corners=False)
+            return self.fc(h.mean((2, 3)))
     return Net()
 PY
   local c; c=$(cfg nondet smallcnn 32 2048 "loader: device" \

@@ -6,6 +6,7 @@ What only a GPU can show is checked by bench/gpu.sh."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -66,7 +67,7 @@ def test_a_log_interval_reads_the_clock_after_the_sync(monkeypatch):
     t.state = train.TrainState(step=10, loss_count=5)
     t.d = Dist(0, 0, 1, torch.device("cpu"), None)
     # the interval's work "still queued" when the line starts
-    t.counters = SimpleNamespace(loss_sum=_SlowScalar(0.3), first_bad=torch.tensor(-1),
+    t.counters = SimpleNamespace(loss_sum=_SlowScalar(0.3), bad_steps=lambda: (-1, -1),
                                  skipped=torch.tensor(0))
     t.fixed, t.flops_per_micro, t.first_interval, t.t_start = None, 1.0, True, 0.0
     t.sched = SimpleNamespace(get_last_lr=lambda: [0.1])
@@ -210,7 +211,7 @@ from torch._prims_common import alert_not_deterministic
 
 class Net(nn.Module):
     """What a CUDA kernel without a deterministic version does under deterministic mode
-    (adaptive_avg_pool2d's backward, say): it asks torch to alert (the same message as the
+    (bilinear interpolate's backward, say): it asks torch to alert (the same message as the
     C++ kernels' alert), and torch raises."""
 
     def __init__(self, num_classes, in_channels):
@@ -320,3 +321,227 @@ def test_a_resumed_fused_optimizer_keeps_each_parameters_layout():
     straight = run(False, False)
     assert torch.equal(straight, run(True, False))
     assert torch.equal(straight, run(True, True))
+
+
+# --------------------------------------------------------------- two gloo ranks, one script
+_RANK_PREAMBLE = """
+import json, os, sys
+import torch
+from ddpflow.config import from_dict
+from ddpflow.engine import distributed
+cfg = from_dict(json.loads(os.environ["DDPFLOW_TEST_CFG"]))
+d = distributed.setup(cfg.hardware)
+"""
+
+
+def two_ranks(tmp_path, body: str, cfg: dict | None = None, name: str = "ranks") -> list:
+    """Runs `body` (after _RANK_PREAMBLE: cfg, d) on 2 gloo ranks, started as torchrun
+    would start them (its environment, without its agent process); returns each rank's
+    last stdout line, parsed as JSON, in rank order."""
+    import socket
+
+    script = tmp_path / f"{name}.py"
+    script.write_text(_RANK_PREAMBLE + body)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DDPFLOW_TEST_CFG": json.dumps(cfg or tiny_config(tmp_path)),
+           "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+_DROPOUT_BODY = """
+from types import SimpleNamespace
+from ddpflow.engine.build import model_parts
+from ddpflow.seams.models import unwrap
+out = []
+for run in range(2):  # the setup, then a rerun of it
+    distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
+    data = SimpleNamespace(in_channels=3, num_classes=10, use_channels_last=lambda on: None)
+    parts = model_parts(cfg, cfg.stages[0], d, data, 8, "fp32", False, False, lambda m: None)
+    init = [float(p.detach().double().sum()) for p in unwrap(parts.model).parameters()]
+    mask = torch.nn.functional.dropout(torch.ones(256), 0.5).ne(0).int().tolist()
+    out.append({"init": init, "mask": mask})
+print(json.dumps(out), flush=True)
+distributed.teardown(d)
+"""
+
+
+def test_ranks_share_the_model_init_but_draw_their_own_dropout_masks(tmp_path):
+    """Every rank seeded torch with the same seed: dropout and drop-path masks were the same
+    on all ranks. The init stays shared; after it each rank has its own, repeatable, stream."""
+    (first, again), (first1, again1) = two_ranks(tmp_path, _DROPOUT_BODY, name="dropout")
+    assert first["init"] == first1["init"]  # the model is built on the shared seed
+    assert first["mask"] != first1["mask"]  # ... and the ranks' streams differ after it
+    assert (again["mask"], again1["mask"]) == (first["mask"], first1["mask"])  # repeatable
+
+
+def test_augmentation_streams_do_not_collide_across_many_ranks():
+    """The step's seed was seed*1_000_003 + epoch*10_007 + step*101 + rank: rank 101 at step
+    0 drew rank 0's step-1 crops and flips. Now the tuple is hashed (core/seeds.py)."""
+    from ddpflow.data.loaders import step_generator
+
+    cpu = torch.device("cpu")
+    seeds = {step_generator(cpu, 7, epoch, step, rank).initial_seed()
+             for epoch in range(3) for step in range(50) for rank in range(512)}
+    assert len(seeds) == 3 * 50 * 512
+    a, b = (torch.rand(8, generator=step_generator(cpu, 7, 2, 49, 511)) for _ in range(2))
+    assert torch.equal(a, b)  # a resume redraws the same augmentation at the same position
+
+
+@pytest.mark.parametrize("where", ["stage", "tune"])
+def test_compile_with_deterministic_is_one_message(tmp_path, where):
+    """Inductor's autotuned kernels are outside use_deterministic_algorithms: the pair is
+    refused when the config is read, naming the key, before anything trains."""
+    from ddpflow.config import from_dict
+    from ddpflow.core.errors import UserError
+
+    cfg = tiny_config(tmp_path, deterministic=True)
+    if where == "stage":
+        cfg["stages"][0]["compile"] = True
+    else:
+        cfg["tune"] = {"compile": True}
+    key = "stages.0.compile" if where == "stage" else "tune.compile"
+    with pytest.raises(UserError, match=rf"{key} is true with deterministic: true"):
+        from_dict(cfg)
+    cfg["deterministic"] = False
+    from_dict(cfg)  # either alone is fine
+
+
+_RESTORE_BODY = """
+from types import SimpleNamespace
+from ddpflow.core.errors import UserError
+from ddpflow.engine import checkpoint, saver
+files = SimpleNamespace(ckpt_dir=__import__("pathlib").Path(sys.argv[1]), resume_key="k")
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+scaler = torch.amp.GradScaler("cpu", enabled=False)
+if d.rank == 1:  # this rank's listing missed the newest checkpoint (a write landing between)
+    listing = checkpoint.list_checkpoints
+    checkpoint.list_checkpoints = lambda folder: listing(folder)[:-1]
+path, saved = saver.restore(files, d, model, opt, sched, scaler, None)
+out = {"step": saved["step"], "bias": float(model.bias), "file": path.name}
+if d.rank == 1:  # the file rank 0 chose cannot be read here: every rank stops, one message
+    checkpoint.load = lambda p, map_location="cpu": open("/nonexistent/" + p.name, "rb")
+try:
+    saver.restore(files, d, model, opt, sched, scaler, None)
+except UserError as e:
+    out["error"] = str(e)
+print(json.dumps(out), flush=True)
+distributed.teardown(d)
+"""
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path):
+    """Each rank picked "the newest valid checkpoint" by its own listing: a rank that missed
+    the newest trained on from an older step. Rank 0 chooses; a rank that cannot load its
+    choice is an error on every rank, not a silent divergence."""
+    from ddpflow.engine import checkpoint
+
+    folder = tmp_path / "ckpt"
+    for step in (4, 8):
+        model = nn.Linear(2, 1)
+        nn.init.constant_(model.bias, float(step))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        checkpoint.save(folder, step, {
+            "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0).state_dict(),
+            "scaler": torch.amp.GradScaler("cpu", enabled=False).state_dict(), "step": step,
+            "resume_key": "k", "rng": []}, keep_last=3)
+    ranks = two_ranks(tmp_path, _RESTORE_BODY.replace("sys.argv[1]", repr(str(folder))),
+                      name="restore")
+    assert [(r["step"], r["bias"]) for r in ranks] == [(8, 8.0), (8, 8.0)]
+    for r in ranks:
+        assert r["error"].startswith("rank 1 cannot resume from ckpt-000000008.pt, the "
+                                     "checkpoint rank 0 chose (step 8): it cannot be read")
+
+
+_LOADER_BODY = """
+from ddpflow.data.loaders import choose_loader
+from ddpflow.engine import build
+GiB = 2**30
+build.free_memory = lambda device: (8 if d.rank == 0 else 1) * GiB  # rank 1 has less free
+meta = {"num_classes": 10, "image_shape": [16, 16, 3]}
+free, note = build.loader_budget(cfg, d, meta)
+kind, reason = choose_loader("auto", NBYTES, d.device, 1.0, free, note)
+print(json.dumps({"free": free, "kind": kind, "reason": reason}), flush=True)
+distributed.teardown(d)
+"""
+
+
+def test_the_ranks_agree_on_the_loader_and_count_the_model(tmp_path):
+    """Each rank chose the device loader or DataLoader workers from its own free memory: one
+    rank could hold the dataset while another streamed it. The ranks take the least free
+    memory of any, less the model's weights, gradients and optimizer state."""
+    from ddpflow.config import from_dict
+    from ddpflow.seams.models import build_model
+
+    cfg = tiny_config(tmp_path)
+    model = build_model(from_dict(cfg).model, 10, 3)
+    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    # fits in rank 0's 8 GiB, and in rank 1's 1 GiB only if the model were not counted
+    nbytes = 2**30 - state // 2
+    ranks = two_ranks(tmp_path, _LOADER_BODY.replace("NBYTES", str(nbytes)), cfg,
+                      name="loader")
+    assert [r["free"] for r in ranks] == [2**30 - state] * 2
+    assert [r["kind"] for r in ranks] == ["dataloader", "dataloader"]
+    assert "of 2 ranks, after the model's" in ranks[0]["reason"]
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 6 * 6, 2))
+
+
+def test_the_ema_matches_averaged_model_without_a_sync_per_update(monkeypatch):
+    """torch's AveragedModel kept its count as a tensor (compared on the host at every
+    update: a device sync on a GPU) and looped over the buffers; the EMA keeps an int and
+    lerps every float tensor in one fused call, with the same result, and resumes exactly."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from ddpflow.engine.ema import Ema
+
+    torch.manual_seed(0)
+    model = _bn_net()
+    ref = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ema, resumed = Ema(model, 0.9, 1), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    syncs = []
+
+    def counting(name):
+        real = getattr(torch.Tensor, name)
+        return lambda *a: syncs.append(name) or real(*a)
+
+    for step in range(1, 21):
+        model(torch.randn(4, 3, 8, 8)).square().mean().backward()  # BN statistics move too
+        opt.step()
+        opt.zero_grad()
+        ref.update_parameters(model)
+        with monkeypatch.context() as m:  # a host read of a tensor, or a new one, per update
+            for name in ("item", "__bool__", "tolist"):
+                m.setattr(torch.Tensor, name, counting(name))
+            m.setattr(torch, "tensor", lambda *a, **k: syncs.append("tensor"))
+            ema.update(model, step)
+            if resumed:
+                resumed.update(model, step)
+        if step == 10:  # a checkpoint's "ema" and "ema_updates", into a fresh EMA
+            resumed = Ema(_bn_net(), 0.9, 1)
+            resumed.load(ema.weights(), ema.updates())
+    assert syncs == []
+    assert ema.updates() == int(ref.n_averaged) == 20
+    want = ref.module.state_dict()
+    for name, t in ema.weights().items():
+        if t.is_floating_point():
+            torch.testing.assert_close(t, want[name], rtol=1e-6, atol=1e-7)
+        else:  # num_batches_tracked: copied (AveragedModel averaged the integer)
+            assert torch.equal(t, model.state_dict()[name])
+    assert all(torch.equal(t, resumed.weights()[k]) for k, t in ema.weights().items())

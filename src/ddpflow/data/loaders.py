@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddpflow.config import Augment
 from ddpflow.core.errors import UserError
+from ddpflow.core.seeds import seed_sequence
 from ddpflow.data.crops import center_crop, random_resized_crop
 from ddpflow.data.mixing import Recipe, resize
 from ddpflow.data.mixing import apply as apply_recipe
@@ -44,9 +45,11 @@ class EpochSampler(DistributedSampler):
 
 
 def step_generator(device: torch.device, seed: int, epoch: int, step: int, rank: int):
-    """A generator seeded by position alone: augmentation needs no saved RNG to resume."""
+    """A generator seeded by position alone: augmentation needs no saved RNG to resume.
+    The seed hashes the whole tuple (core/seeds.py), so no two positions share a stream
+    however many ranks, steps or epochs there are."""
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + epoch * 10_007 + step * 101 + rank) % (2**63))
+    g.manual_seed(seed_sequence(seed, epoch, step, rank))
     return g
 
 
@@ -331,20 +334,26 @@ def val_batches(images, labels, device, world, rank, normalize, resident=False,
 
 
 def choose_loader(setting: str, nbytes: int, device: torch.device, fraction: float,
-                  free: int | None = None):
+                  free: int | None = None, note: str = ""):
     """(kind, reason): `device` when the dataset fits in `fraction` of free device memory
-    (`free` bytes where given: `ddpflow tune --memory-cap-mb`)."""
+    (`free` bytes where given: `ddpflow tune --memory-cap-mb`, or what training agreed
+    across ranks less the model, said by `note`)."""
     if setting != "auto":
         return setting, f"data.loader is set to '{setting}'"
     if free is None:
-        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-                else _available_host_memory())
+        free = free_memory(device)
     fits = nbytes <= fraction * free
     verdict = "fits" if fits else "does not fit"
     room = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.0f} MiB"
     reason = (f"dataset {nbytes / 2**20:.0f} MiB {verdict} in {fraction:g} of {room} free "
-              f"{device.type} memory")
+              f"{device.type} memory{note}")
     return ("device" if fits else "dataloader"), reason
+
+
+def free_memory(device: torch.device) -> int:
+    """This process's free bytes of `device` memory (host memory for the CPU)."""
+    return (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+            else _available_host_memory())
 
 
 def _available_host_memory() -> int:

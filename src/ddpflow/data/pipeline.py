@@ -48,9 +48,11 @@ def close_workers(batches) -> None:
 
 def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                   model_channels: Callable[[int], int], channels_last: bool,
-                  trace=None, recipe: Recipe | None = None) -> Pipeline:
+                  trace=None, recipe: Recipe | None = None,
+                  budget: tuple[int, str] | None = None) -> Pipeline:
     """`model_channels(data_channels)`: the channels the model wants (torchvision: 3);
-    `recipe`: the stage's batch-level options (erasing, mixup, cutmix)."""
+    `recipe`: the stage's batch-level options (erasing, mixup, cutmix); `budget`: (bytes,
+    why) the data may take under data.loader auto, the same on every rank (the caller's)."""
     if meta.get("kind") == "python":
         return _user_dataset(cfg, d, meta, batch_size, trace)
     _, arrays = prepared.load(cfg.data_dir)
@@ -63,7 +65,8 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
         reason = "measured fastest by ddpflow tune"
     else:
         kind, reason = choose_loader(cfg.data.loader, nbytes, d.device,
-                                     cfg.data.device_memory_fraction)
+                                     cfg.data.device_memory_fraction,
+                                     *(budget or (None, "")))
     channels = meta["image_shape"][2]
     normalize = Normalize(meta["mean"], meta["std"], d.device, model_channels(channels),
                           channels_last)
@@ -86,8 +89,8 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
 
 def _user_dataset(cfg, d, meta, batch_size, trace) -> Pipeline:
     train_ds, val_ds = factory.dataset(cfg, "train"), factory.dataset(cfg, "val")
-    info = factory.describe(train_ds, factory.check_item(train_ds, "train"))
-    factory.check_item(val_ds, "val")
+    info = factory.describe(train_ds, factory.check_item(train_ds, "train", cfg))
+    factory.check_item(val_ds, "val", cfg, info["in_channels"])
     train = factory.FactoryBatches(train_ds, batch_size, d.device, d.world, d.rank, cfg.seed,
                                    cfg.data, trace)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ddpflow.core.errors import UserError
+from ddpflow.data.loaders import free_memory
 from ddpflow.data.mixing import Recipe, progressive_sizes
 from ddpflow.data.pipeline import open_pipeline
 from ddpflow.engine import distributed, layout
@@ -32,7 +33,8 @@ def data_parts(cfg, st, d, meta: dict, settings, trace, say) -> tuple:
     data = open_pipeline(cfg, d, meta, settings.batch_size, settings.tuned,
                          lambda c: input_channels(cfg.model.name, c),
                          settings.channels_last is True, trace=trace,
-                         recipe=Recipe(st.random_erasing, st.mixup_alpha, st.cutmix_alpha))
+                         recipe=Recipe(st.random_erasing, st.mixup_alpha, st.cutmix_alpha),
+                         budget=loader_budget(cfg, d, meta))
     say(f"loader: {data.kind} ({data.reason})")
     steps_per_epoch = len(data.train) // st.grad_accum_steps  # a partial group is dropped
     if steps_per_epoch == 0:
@@ -44,6 +46,30 @@ def data_parts(cfg, st, d, meta: dict, settings, trace, say) -> tuple:
         data.train.size_at = progressive_sizes(st.progressive_resize,
                                                -(-total_steps // steps_per_epoch))
     return data, steps_per_epoch, total_steps
+
+
+def loader_budget(cfg, d, meta: dict) -> tuple[int, str] | None:
+    """(bytes, why) of device memory the dataset may take under data.loader auto, the same
+    on every rank (a collective): the least any rank has free, less the model's training
+    state (weights, gradients and two optimizer moments: 4 x its parameter bytes, counted
+    on the meta device). None where memory does not choose the loader."""
+    if cfg.data.loader != "auto" or meta.get("kind") == "python":
+        return None
+    model = 4 * _param_bytes(cfg, meta)
+    free = distributed.all_min(d, max(free_memory(d.device) - model, 0))
+    return free, (f" (the least of {d.world} ranks, after the model's {model / 2**20:.0f} "
+                  f"MiB)" if d.world > 1 else f" (after the model's {model / 2**20:.0f} MiB)")
+
+
+def _param_bytes(cfg, meta: dict) -> int:
+    """The model's parameter bytes, built on the meta device (no memory, no init)."""
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, meta["num_classes"],
+                                input_channels(cfg.model.name, meta["image_shape"][2]))
+    except Exception:  # noqa: BLE001 - a builder that needs real tensors: the real build
+        return 0  # (next) reports its own errors; the loader then counts no model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @dataclass
@@ -65,11 +91,12 @@ def model_parts(cfg, st, d, data, batch_size: int, precision: str, compile_: boo
     """The stage's model on this rank's device, with its starting weights, layout (the data
     pipeline follows it) and wrapper; its task and monitor."""
     in_ch = data.in_channels and input_channels(cfg.model.name, data.in_channels)
-    model = build_model(cfg.model, data.num_classes, in_ch)
+    model = build_model(cfg.model, data.num_classes, in_ch)  # the same init on every rank
     task = build_task(cfg, st, data.num_classes)
     mon, mode = monitor(cfg, task)
     init_src = init_source(cfg, st.name)
-    init_report = start_weights(cfg, st, model, init_src, say)
+    init_report = start_weights(cfg, st, model, init_src, say)  # (a new head: the same too)
+    distributed.seed_rank_stream(cfg.seed, d.rank)  # from here on, each rank's own stream
     model.to(d.device)
     # channels_last true/false, or auto (layout.py); the inputs follow the model
     on, why = layout.for_stage(channels_last, cfg, model, d, batch_size, in_ch, precision)

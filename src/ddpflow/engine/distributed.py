@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ddpflow.config import HardwareCfg
 from ddpflow.core.errors import UserError
+from ddpflow.core.seeds import seed_sequence
 
 
 @dataclass
@@ -67,9 +68,11 @@ def teardown(d: Dist) -> None:
 
 
 def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
-    """Same model init on every rank (seed), different dropout streams (seed + rank)."""
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
+    """Same model init on every rank: torch's generator takes `seed` itself here, and
+    `seed_rank_stream` gives each rank its own once the model is built. Python's and
+    numpy's generators are per rank from the start."""
+    random.seed(seed_sequence(seed, rank))
+    np.random.seed(seed_sequence(seed, rank) % 2**32)
     torch.manual_seed(seed)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -78,6 +81,13 @@ def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
     else:
         torch.backends.cudnn.benchmark = True  # pick the fastest conv kernels for fixed shapes
+
+
+def seed_rank_stream(seed: int, rank: int) -> None:
+    """After the model is built (the same init on every rank): each rank's own torch stream
+    (CPU and every GPU), so dropout and drop-path masks differ across ranks and repeat on a
+    rerun with the same seed and rank."""
+    torch.manual_seed(seed_sequence(seed, rank))
 
 
 def rng_state(device: torch.device) -> dict:
@@ -108,6 +118,15 @@ def all_sum(d: Dist, t: torch.Tensor) -> torch.Tensor:
     if d.backend:
         dist.all_reduce(t)
     return t
+
+
+def all_min(d: Dist, value: int) -> int:
+    """The least of every rank's `value` (a collective)."""
+    if not d.backend:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def all_gather_floats(d: Dist, values: list[float]) -> list[list[float]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ddpflow.core.errors import UserError
 from ddpflow.engine import checkpoint, distributed
 from ddpflow.engine.stagelog import write_best
 from ddpflow.engine.state import StageFiles, TrainState
@@ -62,11 +63,27 @@ def checkpoint_state(now: TrainState, files: StageFiles, opt, sched, scaler,
 def restore(files: StageFiles, d, model, opt, sched, scaler, ema) -> tuple[Path, dict] | None:
     """The newest valid checkpoint of the stage's very inputs (its resume key), loaded into
     `model` (the plain module), the optimizer, scheduler, scaler, EMA and this rank's random
-    streams: (path, the checkpoint) for TrainState, or None without one."""
-    found = checkpoint.latest_valid(files.ckpt_dir, files.resume_key,
-                                    warn=print if d.is_master else lambda *a, **k: None)
-    if not found:
+    streams: (path, the checkpoint) for TrainState, or None without one.
+
+    Rank 0 alone chooses it (and verifies its SHA-256) and names it to the others, which
+    load that very file and check its step: ranks that saw different files (a write landing
+    between their listings, a folder not shared between nodes) stop with one message
+    instead of training on from different steps."""
+    found = checkpoint.latest_valid(files.ckpt_dir, files.resume_key) if d.is_master else None
+    chosen = distributed.broadcast_object(d, (str(found[0]), found[1]["step"]) if found
+                                          else None)
+    if chosen is None:
         return None
+    if not d.is_master:
+        found, problem = _load_chosen(Path(chosen[0]), chosen[1], files.resume_key)
+    else:
+        problem = None
+    problems = [(r, p) for r, p in enumerate(distributed.gather_objects(d, problem)) if p]
+    if problems:
+        rank, problem = problems[0]
+        raise UserError(f"rank {rank} cannot resume from {Path(chosen[0]).name}, the "
+                        f"checkpoint rank 0 chose (step {chosen[1]}): {problem}; every rank "
+                        f"must see the same {files.ckpt_dir} (a shared filesystem)")
     saved = found[1]
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optimizer"])
@@ -78,6 +95,19 @@ def restore(files: StageFiles, d, model, opt, sched, scaler, ema) -> tuple[Path,
     if len(saved["rng"]) == d.world:
         distributed.set_rng_state(saved["rng"][d.rank], d.device)
     return found
+
+
+def _load_chosen(path: Path, step: int, resume_key: str) -> tuple[tuple | None, str | None]:
+    """Another rank's read of the checkpoint rank 0 chose (and verified):
+    ((path, checkpoint), None), or (None, what is wrong with it here)."""
+    try:
+        saved = checkpoint.load(path)
+    except Exception as e:  # noqa: BLE001 - reported by every rank together, below
+        return None, f"it cannot be read here ({type(e).__name__}: {str(e)[:120]})"
+    if saved.get("step") != step or saved.get("resume_key") != resume_key:
+        return None, (f"the file here holds step {saved.get('step')}"
+                      + ("" if saved.get("resume_key") == resume_key else " of another run"))
+    return (path, saved), None
 
 
 def _match_layouts(opt) -> None:
