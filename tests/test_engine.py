@@ -342,9 +342,10 @@ MISTAKES = [
      "model.freeze: no parameter name starts with 'bakbone'"),
     ({"model": {"name": "netlib:build", "freeze": ["backbone", "head"]}},
      "freezes every parameter"),
-    ({"model": {"name": "netlib:build", "weights": "LIST"}}, "is not a state dict"),
+    ({"model": {"name": "netlib:build", "weights": "LIST"}}, "holds a list of 3 items, not a"),
     ({"model": {"name": "netlib:build", "weights": "OTHER"}},
-     "the model's 'backbone.0.weight' is not in the file"),
+     "does not fit model.name beyond its final layer (2 tensors; the model has 4, the file "
+     "1): 'backbone.0.weight' (8, 3, 3, 3) is not in the file"),
     ({"task": {"name": "userdata:three"}}, "returned int, which has no loss(outputs, batch)"),
     ({"task": {"name": "userdata:number"}},
      "task.name: calling number failed (TypeError: number() missing 1 required"),
@@ -512,5 +513,5 @@ def test_a_code_dir_that_is_not_a_folder_names_its_setting(tmp_path):
     from ddpflow.seams.userimport import add_code_dirs
 
     cfg = from_dict({"stages": [{"name": "s"}], "data": {"code_dir": str(tmp_path / "nope")}})
-    with pytest.raises(UserError, match=r"^data.code_dir .*nope is not a folder"):
+    with pytest.raises(UserError, match=r"^data.code_dir: .*nope does not exist"):
         add_code_dirs(cfg)

@@ -68,6 +68,7 @@ class ModelCfg:
     kwargs: dict  # keyword arguments of the model builder
     code_dir: str | None  # folder of the user's model/task code, on sys.path of every rank
     weights: str | None  # pretrained weights of stages without init_from
+    weights_partial: bool  # weights may differ beyond the final layer (what fits is loaded)
     freeze: tuple[str, ...]  # parameter name prefixes kept frozen (a stage may override)
     sync_bn: bool
 

@@ -148,6 +148,29 @@ def read_json_or_none(path: Path | str, schema: dict, what: str,
         return None
 
 
+def existing(path: Path | str, what: str, fix: str, folder: bool = False) -> Path:
+    """`path` as a Path when it is a file (folder=False) or a folder (folder=True); otherwise
+    one UserError that says which it is: missing, a folder where a file belongs, a file where
+    a folder belongs, or neither (a FIFO, a device)."""
+    path = Path(path)
+    want = "folder" if folder else "file"
+    if not os.path.lexists(path):
+        why = "does not exist"
+    elif not path.exists():
+        why = "is a broken symlink"
+    elif path.is_dir():
+        if folder:
+            return path
+        why = "is a folder, not a file"
+    elif path.is_file():
+        if not folder:
+            return path
+        why = "is a file, not a folder"
+    else:
+        why = f"is not a regular {want}"
+    raise UserError(f"{what}: {path} {why}; {fix}")
+
+
 def inside(folder: Path | str, name: Any, what: str, fix: str = REMAKE) -> Path:
     """folder/name, for a path `what` (e.g. "<file>: files.onnx.file") names: a relative
     path that stays in `folder`, symlinks resolved; otherwise one UserError with the value."""

@@ -189,22 +189,59 @@ def remove_partial(folder: Path) -> None:
 
 
 def load_weights(path: Path, setting: str) -> dict:
-    """A state dict from a ddpflow checkpoint ({"model": ...}) or a plain state dict file;
-    anything else is a UserError naming `setting`."""
+    """A state dict from a ddpflow checkpoint ({"model": ...}) or a plain state dict file,
+    read data-only (weights_only=True); anything else is one UserError naming `setting` and
+    what the file holds instead (a pickled model object, a list, a tensor ...)."""
     from ddpflow.core.errors import UserError
 
+    if Path(path).is_file() and Path(path).stat().st_size == 0:
+        raise UserError(f"{setting}: {path} is empty (a copy or save cut short)")
     try:
         obj = load(path)
     except Exception as e:  # noqa: BLE001 - not a torch file, truncated, or holds code
-        raise UserError(f"{setting}: {path} cannot be loaded as weights "
-                        f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+        raise UserError(f"{setting}: {path} {_unloadable(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]
-    if not isinstance(obj, dict) or not obj or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise UserError(f"{setting}: {path} is not a state dict (a mapping of names to "
-                        f"tensors) nor a ddpflow checkpoint")
+    what = _not_a_state_dict(obj)
+    if what:
+        raise UserError(f"{setting}: {path} holds {what}, not a state dict (a mapping of "
+                        f"names to tensors: torch.save(model.state_dict(), ...)) nor a "
+                        f"ddpflow checkpoint")
     return obj
+
+
+def _unloadable(e: Exception) -> str:
+    text = str(e)
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found:
+        return (f"holds pickled Python objects ({found.group(1)}), e.g. a whole model saved "
+                f"with torch.save(model); ddpflow reads weights data-only and never runs a "
+                f"file's code: save model.state_dict() instead")
+    detail = re.search(r"WeightsUnpickler error: \s*(.+)", text)  # not torch's advice
+    first = (detail.group(1) if detail else text.splitlines()[0] if text else "")[:160]
+    return f"cannot be loaded as weights ({type(e).__name__}: {first}); is it truncated or " \
+           f"not a PyTorch file?"
+
+
+def _not_a_state_dict(obj) -> str | None:
+    """What `obj` is when it is not a non-empty mapping of str -> tensor; None if it is."""
+    if isinstance(obj, torch.Tensor):
+        return f"a single tensor of shape {tuple(obj.shape)}"
+    if isinstance(obj, torch.nn.Module):
+        return f"a whole {type(obj).__name__} model object"
+    if isinstance(obj, (list, tuple)):
+        return f"a {type(obj).__name__} of {len(obj)} items"
+    if not isinstance(obj, dict):
+        return f"a {type(obj).__name__}"
+    if not obj:
+        return "an empty dict"
+    for k, v in obj.items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            keys = ", ".join(map(str, list(obj)[:5]))
+            return (f"a dict whose {str(k)[:60]!r} is a {type(v).__name__}, not a tensor (keys "
+                    f"{keys}{', ...' if len(obj) > 5 else ''}: another tool's training "
+                    f"checkpoint? save its state dict alone)")
+    return None
 
 
 def check_fits(model: torch.nn.Module, weights: dict, setting: str) -> None:

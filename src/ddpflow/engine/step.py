@@ -21,14 +21,54 @@ class StepCounters:
         self.step_dev = torch.tensor(s.step + 1, device=device)  # the step being computed
         self.first_bad = torch.tensor(-1, device=device)  # first step with a NaN/inf loss
         self.skipped = torch.tensor(s.skipped_steps, device=device)  # fp16 skipped steps
+        self.bad_input = torch.tensor(-1, device=device)  # first step whose inputs had NaN/inf
 
-    def add_loss(self, loss: torch.Tensor) -> None:
-        """A micro-batch's loss into the sum; the first step whose loss is not finite is
+    def add_loss(self, loss: torch.Tensor, inputs=None) -> None:
+        """A micro-batch's loss into the sum; the first step whose loss is not finite, and
+        the first whose float inputs are not (the data, not the learning rate), are
         remembered (device ops, no sync)."""
         loss = loss.detach()
         self.loss_sum += loss
         self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(loss),
                                      self.step_dev, self.first_bad)
+        bad = nonfinite(inputs)
+        if bad is not None:
+            self.bad_input = torch.where((self.bad_input < 0) & bad, self.step_dev,
+                                         self.bad_input)
+
+    def bad_steps(self) -> tuple[int, int]:
+        """(first step with a NaN/inf loss, first with NaN/inf inputs), -1 for none: a sync."""
+        return int(self.first_bad.item()), int(self.bad_input.item())
+
+
+def nonfinite(inputs) -> torch.Tensor | None:
+    """A device bool: some float tensor in `inputs` (a tensor, or a dict/list/tuple of them)
+    holds NaN/inf; None when there is no float tensor to look at."""
+    if isinstance(inputs, dict):
+        inputs = list(inputs.values())
+    leaves = inputs if isinstance(inputs, (list, tuple)) else [inputs]
+    flags = [~torch.isfinite(t.detach()).all() for t in leaves
+             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+
+def divergence(cfg, stage: str, bad: list[tuple[int, int]], loss_value, epoch: int) -> str:
+    """Why training stopped, from each bad rank's (first bad loss step, first bad input step):
+    inputs with NaN/inf at or before the loss went bad name the data; else the loss itself
+    diverged (the learning rate, precision)."""
+    step = min(b[0] for b in bad)
+    inputs = [b[1] for b in bad if 0 <= b[1] <= step]
+    if inputs:
+        d = cfg.data
+        source = (f"data.factory {d.factory}" if d.source == "python" else
+                  f"data.source {d.source}" + (f" at {d.path}" if d.path else ""))
+        return (f"the inputs of step {min(inputs)} (epoch {epoch}) hold NaN/inf, so the loss "
+                f"became {loss_value} at step {step}: the data ({source}) is broken, not the "
+                f"learning rate; fix or drop those samples (or their transforms)")
+    return (f"loss became {loss_value} at step {step} (epoch {epoch}); lower "
+            f"stages.{cfg.stage_index(stage)}.lr, add grad_clip or use bf16/fp32")
 
 
 def micro_step(net: nn.Module, batch, task, autocast, scaler, accum: int,

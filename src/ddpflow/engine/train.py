@@ -41,7 +41,7 @@ from ddpflow.engine.runtime import (
 from ddpflow.engine.saver import Saver, checkpoint_state, restore
 from ddpflow.engine.stagelog import interval_record
 from ddpflow.engine.state import StageEnd, StageFiles, TrainState
-from ddpflow.engine.step import StepCounters, micro_step, update
+from ddpflow.engine.step import StepCounters, divergence, micro_step, update
 from ddpflow.engine.tune import stage_settings
 from ddpflow.engine.validation import Validator, best_after
 from ddpflow.results.metrics import MetricsLog
@@ -245,7 +245,7 @@ class Trainer:
                 loss = self.micro(net, batch, check=counting)
             if self.flops_per_micro is None:
                 self.flops_per_micro = counter.total
-            self.counters.add_loss(loss)
+            self.counters.add_loss(loss, batch[0])  # NaN/inf inputs are told apart (step.py)
         update(model, self.opt, self.sched, self.scaler, self.st.grad_clip, self.counters)
         s.step += 1
         if self.ema:
@@ -268,13 +268,13 @@ class Trainer:
         # sync point first: .item() waits for the interval's queued kernels, and only then is
         # the clock read (read before, samples/s and MFU would count unfinished work)
         loss_value = float(self.counters.loss_sum.item()) / s.loss_count
-        first_bad = float(self.counters.first_bad.item())
+        first_bad, bad_input = self.counters.bad_steps()
         now = time.perf_counter()
         t0, wait, n = self.interval
         dt = now - t0
         per_rank = distributed.all_gather_floats(
-            d, [dt / n, wait / dt, first_bad, 1.0 if stopflag.received() else 0.0])
-        bad_steps = [int(r[2]) for r in per_rank if r[2] >= 0]
+            d, [dt / n, wait / dt, first_bad, 1.0 if stopflag.received() else 0.0, bad_input])
+        bad_steps = [(int(r[2]), int(r[4])) for r in per_rank if r[2] >= 0]
         if bad_steps:  # every rank sees it and stops; the last checkpoint stays
             self.diverged = self.divergence(bad_steps, loss_value)
             self.halted = True
@@ -294,10 +294,8 @@ class Trainer:
         self.stop_poll.seen(s.step, max(r[0] for r in per_rank))
         return any(r[3] > 0 for r in per_rank)
 
-    def divergence(self, bad_steps: list[int], loss_value: float | str = "NaN/inf") -> str:
-        return (f"loss became {loss_value} at step {min(bad_steps)} (epoch "
-                f"{self.state.epoch}); lower stages.{self.cfg.stage_index(self.st.name)}.lr, "
-                f"add grad_clip or use bf16/fp32")
+    def divergence(self, bad: list[tuple[int, int]], loss_value: float | str = "NaN/inf") -> str:
+        return divergence(self.cfg, self.st.name, bad, loss_value, self.state.epoch)  # step.py
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -338,8 +336,8 @@ class Trainer:
         self.clock.lap("train")
         # a collective (every rank's RNG state, first bad step): a sync point
         gathered = distributed.gather_objects(
-            d, (distributed.rng_state(d.device), int(self.counters.first_bad.item())))
-        bad_steps = [g[1] for g in gathered if g[1] >= 0]
+            d, (distributed.rng_state(d.device), self.counters.bad_steps()))
+        bad_steps = [g[1] for g in gathered if g[1][0] >= 0]
         if bad_steps:  # never save weights that a NaN/inf loss has already touched
             self.diverged = self.divergence(bad_steps)
             return False

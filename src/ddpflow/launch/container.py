@@ -120,10 +120,8 @@ def _build_apptainer(cfg: Config, context: Path, out: Path, record: dict) -> dic
                         "install it, or set container.engine: none")
     sif, uri = out.with_suffix(".sif"), cfg.container.uri
     if uri and "://" not in uri:  # a .sif file (checked by config validation)
-        if not Path(uri).is_file():
-            raise UserError(f"container.uri {uri} does not exist; build it with "
-                            f"`apptainer build {shell_word(uri)} docker://<image>` or give a "
-                            f"docker:// uri")
+        reading.existing(uri, "container.uri", f"build it with `apptainer build "
+                         f"{shell_word(uri)} docker://<image>` or give a docker:// uri")
         shutil.copyfile(uri, sif.with_suffix(".sif.tmp"))
     elif uri:
         subprocess.run(["apptainer", "build", "--force", str(sif.with_suffix(".sif.tmp")), uri],
