@@ -26,14 +26,23 @@ TINY = {
 }
 
 
+# what `auto` would pick depends on the machine (bf16 on a CPU with fast bf16, a timed
+# layout probe): a test pins them unless it tests `auto` (and then sets "auto" itself)
+PINNED = {"precision": "fp32", "channels_last": False}
+
+
 def tiny_config(tmp_path: Path, **top) -> dict:
     cfg = copy.deepcopy(TINY)
     cfg["results_dir"] = str(tmp_path / "results")
-    for k, v in top.items():
+    for k, v in copy.deepcopy(top).items():
         if isinstance(v, dict) and isinstance(cfg.get(k), dict):
             cfg[k].update(v)
         else:
             cfg[k] = v
+    for st in cfg["stages"]:
+        if isinstance(st, dict):
+            for k, v in PINNED.items():
+                st.setdefault(k, v)
     return cfg
 
 

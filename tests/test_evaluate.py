@@ -56,7 +56,9 @@ def trained(tmp_path_factory):
     photos = image_tree(tmp / "photos", per_class=5, size=(53, 41), broken=1)
     raw = tiny_config(tmp, data=_data(tmp), stages=[
         {"name": "s1", "epochs": 3, "batch_size": 8, "lr": 0.05,
-         "ema": {"decay": 0.9, "every_steps": 1}}])
+         "ema": {"decay": 0.9, "every_steps": 1},
+         # evaluate runs in fp32: a stage-end loss in bf16 differs from it by ~1e-3
+         "precision": "fp32", "channels_last": False}])
     raw["data"] = _data(tmp)
     p = write_config(tmp, raw)
     ddpflow("prepare", "--config", p, check=True)
@@ -85,10 +87,15 @@ def test_stage_end_test_split_and_evaluate_agree(trained):
     assert (out / "confusion.png").stat().st_size > 1000 and "acc" in proc.stdout
     rows = list(csv.DictReader((out / "per_class.csv").open()))
     assert [r["class"] for r in rows] == ["cat", "dog", "fish"]
-    assert sum(int(r["support"]) for r in rows) == 12
-    assert np.array(m["confusion"]).sum() == 12
+    # each image counted once on 2 ranks: the split's own count in every class, not a total
+    assert [int(r["support"]) for r in rows] == meta["counts"]["test"]["per_class"]
+    assert np.array(m["confusion"]).sum(1).tolist() == meta["counts"]["test"]["per_class"]
+    # 9 val images on 2 ranks (not a multiple): none counted twice or left out
     bad = ddpflow("evaluate", "--config", p, "--weights", "best", "--split", "val")
     assert bad.returncode == 0, bad.stderr
+    mv = json.loads((tmp / "results/t/evaluate/s1/val-best/metrics.json").read_text())
+    assert mv["samples"] == 9 and mv["split"] == "val"
+    assert np.array(mv["confusion"]).sum(1).tolist() == meta["counts"]["val"]["per_class"]
     no_ema = ddpflow("evaluate", "--config", p, "--weights", "raw", "--out", str(tmp / "raw"))
     assert no_ema.returncode == 0 and json.loads((tmp / "raw/metrics.json").read_text())[
         "weights"]["holds"] == "raw"

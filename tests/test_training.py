@@ -38,7 +38,7 @@ def weights(path: Path) -> dict:
 
 def test_two_ranks_train_in_sync_on_disjoint_halves(tmp_path):
     cfg = tiny_config(tmp_path, stages=[{"name": "s1", "epochs": 3, "batch_size": 32,
-                                         "lr": 0.1}])
+                                         "lr": 0.1, "precision": "auto"}])
     p = prepare(tmp_path, cfg)
     trace = tmp_path / "trace"
     trace.mkdir()
@@ -84,10 +84,10 @@ def test_two_ranks_train_in_sync_on_disjoint_halves(tmp_path):
 
 def test_two_stages_chain(tmp_path):
     cfg = tiny_config(tmp_path, stages=[
-        {"name": "s1", "epochs": 1, "batch_size": 32, "lr": 0.1},
+        {"name": "s1", "epochs": 1, "batch_size": 32, "lr": 0.1, "channels_last": "auto"},
         # a step with a negligible lr and no decay/momentum: weights stay where s1 left them
         {"name": "s2", "max_steps": 1, "batch_size": 32, "lr": 1e-12, "weight_decay": 0,
-         "momentum": 0, "init_from": "previous"}])
+         "momentum": 0, "init_from": "previous", "channels_last": "auto"}])
     p = prepare(tmp_path, cfg)
     proc = ddpflow("launch", "--config", p, "--stage", "s2")
     assert proc.returncode != 0 and "has not finished" in proc.stderr
@@ -114,7 +114,7 @@ def test_exact_resume_is_bit_identical(tmp_path):
     # with the recipe on: erasing, mixup, cutmix and the EMA of the weights resume exactly too
     stage = {"name": "s1", "max_steps": 24, "batch_size": 32, "lr": 0.05, "warmup_epochs": 0.5,
              "random_erasing": 0.25, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
-             "ema": {"decay": 0.9, "every_steps": 2}}
+             "ema": {"decay": 0.9, "every_steps": 2}, "channels_last": "auto"}
     base = dict(deterministic=True, stages=[stage], checkpoint={"every_steps": 0})
     straight = tmp_path / "straight"
     resumed = tmp_path / "resumed"

@@ -50,9 +50,9 @@ def launch(cfg: Config, stage: str | None, split: str, images: str | None, weigh
     stage = stage or cfg.stages[-1].name
     cfg.stage(stage)
     meta = _meta(cfg)
-    if images is not None and not Path(images).is_dir():
-        raise UserError(f"--images {images} is not a folder; give a labelled folder "
-                        f"DIR/<class>/<image> (class names as in training)")
+    if images is not None:  # missing, or a file: said which
+        reading.existing(images, "--images", "give a labelled folder DIR/<class>/<image> "
+                         "(class names as in training)", folder=True)
     warn_if_stale(cfg, stage)
     folder = Path(out) if out else out_dir(cfg, stage, None if images else split, weights)
     with writing.output_lock(folder, WHAT):  # a second at once is told who holds it
