@@ -66,11 +66,13 @@ def idx_files(folder: Path, n_train=300, n_test=100, gz=True, bad_label=False) -
 
 
 def image_tree(root: Path, classes=("cat", "dog", "fish"), per_class=12, size=(40, 30),
-               broken: int = 0) -> Path:
-    """root/<class>/*.{png,jpg,webp} in several modes (RGB, L, RGBA, CMYK), plus broken files."""
+               broken: int = 0, seed: int = 0) -> Path:
+    """root/<class>/*.{png,jpg,webp} in several modes (RGB, L, RGBA, CMYK), plus broken files
+    (another seed for another split: the same seed makes the same files, dropped by prepare
+    from the later split as duplicates)."""
     from PIL import Image
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     formats = [("png", "RGB"), ("jpg", "RGB"), ("webp", "RGB"), ("png", "L"), ("png", "RGBA"),
                ("jpg", "CMYK")]
     for c, name in enumerate(classes):

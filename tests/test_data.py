@@ -151,6 +151,14 @@ def test_imagefolder_modes_broken_files_and_split(tmp_path):
     # class colour survives decoding from PNG/JPEG/WebP, grey, RGBA and CMYK files
     for c in range(3):
         assert x[y == c][..., c].mean() > x[y == c][..., (c + 1) % 3].mean() + 50
+    # every readable image is in exactly one split: no image's bytes in two (a count per
+    # class cannot see a val image also left in train)
+    seen = {}
+    for split in ("train", "val", "test"):
+        for img in np.load(tmp_path / f"results/t/data/{split}_images.npy"):
+            seen.setdefault(img.tobytes(), []).append(split)
+    assert len(seen) == 3 * 12 and all(len(v) == 1 for v in seen.values()), \
+        [v for v in seen.values() if len(v) > 1]
 
 
 def test_imagefolder_too_many_bad_files_and_grayscale(tmp_path):
@@ -166,13 +174,13 @@ def test_imagefolder_too_many_bad_files_and_grayscale(tmp_path):
 
 def test_imagefolder_explicit_val_and_test_folders(tmp_path):
     image_tree(tmp_path / "ds/train", per_class=6)
-    image_tree(tmp_path / "ds/val", per_class=2)
+    image_tree(tmp_path / "ds/val", per_class=2, seed=1)
     _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="imagefolder",
                                            path=str(tmp_path / "ds")))
     c = meta["counts"]
     assert c["val"]["per_class"] == [2, 2, 2] and "val: ds/val/" in meta["split"]
     assert c["test"]["per_class"] == [1, 1, 1] and c["train"]["per_class"] == [5, 5, 5]
-    image_tree(tmp_path / "ds/test", per_class=3)
+    image_tree(tmp_path / "ds/test", per_class=3, seed=2)
     _, meta = prepare_ok(tmp_path, cfg_for(tmp_path, source="imagefolder",
                                            path=str(tmp_path / "ds")))
     c = meta["counts"]
@@ -242,6 +250,8 @@ def test_both_loaders_same_batches_disjoint_ranks(tmp_path, recipe, data):
                                    cfg=cfg)
     assert dev0[0][0].shape == (32, 3, 16, 16)  # what the model sees: image_size
     assert not set(idx0) & set(idx1) and len(idx0) == len(idx1) == 512
+    # each rank sees each of its samples once, and the ranks together the whole epoch
+    assert len(set(idx0)) == len(set(idx1)) == 512 and set(idx0) | set(idx1) == set(range(1024))
     assert idx_dl == idx0
     assert len(dev0) == len(dl0) == 16
     for (xa, ya), (xb, yb) in zip(dev0, dl0):

@@ -1,30 +1,35 @@
 """`root/<class>/<image>` trees: decoded in parallel, resized and centre-cropped once (to
 data.store_size).
 
-`root/train` with optional `root/val` and `root/test` folders is honoured; a split without
-its folder is held out of the training images (splits.py). Unreadable files are skipped
-and listed; more than `max_bad_fraction` of them is an error.
+`root/train` with optional `root/val` (or valid/, validation/) and `root/test` folders is
+honoured, other split-like names refused (splits.folder_splits); a split without its folder
+is held out of the training images (splits.py). An image whose bytes are in an earlier split
+is dropped from the later one and listed (drop_duplicates). Files are decoded by
+images.fitted; unreadable ones are skipped and listed; more than `max_bad_fraction` of them
+is an error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from ddpflow.core.errors import UserError
-from ddpflow.data import shards
-from ddpflow.data.prepared import open_split
+from ddpflow.core.reading import existing
+from ddpflow.data import images, shards
+from ddpflow.data.prepared import SPLITS, open_split
 
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm"}
 
 
 def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     """Class names (sorted folder names) and (file, label) pairs."""
-    if not root.is_dir():
-        raise UserError(f"image folder {root} does not exist or is not a folder")
+    existing(root, "image folder", "expected <folder>/<class>/<image> files", folder=True)
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image> files")
@@ -41,26 +46,16 @@ def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
 
 def decode_file(args):
     """(path, size, grayscale[, jpeg quality]) -> (uint8 HWC array of size x size, or its
-    JPEG bytes with a quality, None) or (None, reason): the short side resized to size and
-    the centre square kept (predict reads files so)."""
+    JPEG bytes with a quality, None) or (None, reason): images.fitted, the one decoding of
+    image files (predict and evaluate --images read files through it too)."""
     path, size, grayscale, *quality = args
-    from PIL import Image, ImageOps
-
     try:
-        with Image.open(path) as im:
-            im.load()
-            if im.mode in ("RGBA", "LA", "P") and not grayscale:
-                im = im.convert("RGBA")
-                bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
-                im = Image.alpha_composite(bg, im)
-            im = im.convert("L" if grayscale else "RGB")
-            im = ImageOps.fit(im, (size, size), Image.BILINEAR)  # resize shorter side + centre crop
-            arr = np.asarray(im, dtype=np.uint8)
+        arr = images.fitted(path, size, grayscale)
     except Exception as e:  # noqa: BLE001 - any decode failure is a bad file, reported
-        return None, f"{type(e).__name__}: {e}"
+        return None, images.reason(e)
     if quality:  # encoded in the worker: the parent only appends bytes to the shard
-        return shards.encode(arr, quality[0]), None
-    return (arr[..., None] if arr.ndim == 2 else arr), None
+        return shards.encode(arr[..., 0] if arr.shape[-1] == 1 else arr, quality[0]), None
+    return arr, None
 
 
 def workers(setting) -> int:
@@ -121,3 +116,75 @@ def _truncate(folder: Path, split: str, n: int) -> None:
         part = np.array(full[:n])
         del full
         np.save(p, part)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def content_keys(files) -> dict[str, tuple]:
+    """{file: (SHA-256 of its bytes or None, (device, inode))}: the bytes are read only for
+    files whose size another file has (a unique size cannot be a copy); a symlink or hard
+    link is the same inode, read once."""
+    stat = {f: os.stat(f) for f in files}
+    sizes = Counter(st.st_size for st in stat.values())
+    digests: dict[tuple, str] = {}
+    out = {}
+    for f, st in stat.items():
+        inode = (st.st_dev, st.st_ino)
+        if sizes[st.st_size] > 1 and inode not in digests:
+            digests[inode] = _sha256(f)
+        out[f] = (digests.get(inode), inode)
+    return out
+
+
+def gather_copies(pool: list, keys: dict) -> tuple[list, dict]:
+    """(pool with one (file, label) per content, {kept file: [its copies' (file, label)]}):
+    held-out draws are made on the first and the copies follow it into the same split, so
+    no draw puts one image's bytes in two splits."""
+    first: dict[str, str] = {}
+    kept, copies = [], defaultdict(list)
+    for f, label in pool:
+        k = keys[f][0]
+        if k is not None and k in first:
+            copies[first[k]].append((f, label))
+            continue
+        if k is not None:
+            first[k] = f
+        kept.append((f, label))
+    return kept, dict(copies)
+
+
+def drop_duplicates(items: dict[str, list], classes: list[str], keys: dict | None = None):
+    """({split: [(file, label)]}, notes): an image whose bytes are already in an earlier split
+    (train < val < test) dropped from the later one, so val and test only score images the
+    model never trained on. Found by the file itself (a symlink or hard link: same device
+    and inode) and by content (SHA-256 of the bytes, content_keys). Copies inside one split
+    are kept. A split left with no image is a UserError."""
+    if keys is None:
+        keys = content_keys([f for split in items for f, _ in items[split]])
+    first: dict[str, tuple] = {}  # digest -> (split, file, label)
+    out, notes = {}, []
+    for split in sorted(items, key=SPLITS.index):
+        out[split] = []
+        for f, label in items[split]:
+            k = keys[f][0]
+            seen = first.get(k) if k else None
+            if seen is None or seen[0] == split:
+                if k:
+                    first.setdefault(k, (split, f, label))
+                out[split].append((f, label))
+                continue
+            notes.append({"file": f, "split": split, "same_as": seen[1],
+                          "same_as_split": seen[0],
+                          "by": "link" if keys[f][1] == keys[seen[1]][1] else "content",
+                          "classes": [classes[seen[2]], classes[label]]})
+        if items[split] and not out[split]:
+            raise UserError(f"every {split} image is also in the {notes[-1]['same_as_split']} "
+                            f"images (e.g. {notes[-1]['file']} = {notes[-1]['same_as']}), so "
+                            f"{split} would be empty; give the {split} split images of its own")
+    return out, notes

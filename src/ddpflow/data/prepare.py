@@ -1,7 +1,7 @@
 """`ddpflow prepare`: turn the configured source into the prepared format, once.
 
 Re-running with the same inputs is a no-op (a fingerprint of the data settings and
-the input files' names, sizes and modification times is kept in meta.json).
+the input files' names, sizes, modification and change times is kept in meta.json).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ddpflow.config import Config
-from ddpflow.core import locks
+from ddpflow.core import locks, reading
 from ddpflow.core.errors import UserError, short
 from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import archives, imagefolder, prepared, splits, synthetic
@@ -61,7 +61,9 @@ def check_settings(cfg: Config, meta: dict[str, Any]) -> None:
 
 
 def fingerprint(cfg: Config) -> str:
-    """The settings and the input files' names, sizes and modification times."""
+    """The settings and the input files' names, sizes, modification and change times: a
+    file rewritten in place with its size and modification time put back (os.utime) still
+    has a new change time, which nothing but the kernel sets, so it is prepared again."""
     d = cfg.data
     h = hashlib.sha256()
     h.update(json.dumps(settings(cfg), sort_keys=True).encode())
@@ -72,7 +74,7 @@ def fingerprint(cfg: Config) -> str:
             if f.is_file():
                 st = f.stat()
                 h.update(f"{f.relative_to(p) if p.is_dir() else f.name}:{st.st_size}:"
-                         f"{st.st_mtime_ns}\n".encode())
+                         f"{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -150,10 +152,14 @@ def _build_arrays(cfg: Config, folder: Path, meta: dict[str, Any]) -> bool:
         meta["split"] = "generated: train, val and test are independent draws"
         return True
     path = Path(d.path)
-    if not path.exists():
-        raise UserError(f"data.path {path} does not exist (source {d.source}); "
-                        f"point data.path at the dataset's archive or folder")
-    if d.source in ("cifar10", "cifar100", "mnist", "fashion_mnist"):
+    archive = d.source in ("cifar10", "cifar100", "mnist", "fashion_mnist")
+    if archive and not path.exists():  # an archive file or the folder it was unpacked in
+        reading.existing(path, f"data.path (source {d.source})", "point data.path at the "
+                         "dataset's archive or folder")
+    elif not archive:
+        reading.existing(path, f"data.path (source {d.source})", "point data.path at the "
+                         "folder of class folders (or of train/ val/ test/)", folder=True)
+    if archive:
         _archive_source(cfg, path, folder, meta)
     else:
         _imagefolder_source(cfg, path, folder, meta)
@@ -183,19 +189,29 @@ def _archive_source(cfg: Config, path: Path, folder: Path, meta: dict[str, Any])
 
 
 def _folder_items(cfg: Config, path: Path, meta: dict[str, Any]):
-    """(classes, {split: [(file, label)]}): train/, val/, test/ folders where they exist,
-    the rest held out of the training pool by data.test_fraction and data.val_fraction."""
+    """(classes, {split: [(file, label)]}): train/, val/ (or valid/, validation/), test/
+    folders where they exist, the rest held out of the training pool by data.test_fraction
+    and data.val_fraction. No image's bytes are in two splits: a folder's copy of an earlier
+    split's image is dropped and listed (meta duplicates); copies inside the pool are drawn
+    together."""
     d = cfg.data
-    has = {s: (path / s).is_dir() for s in prepared.SPLITS}
-    classes, pool = imagefolder.scan(path / "train" if has["train"] else path)
-    items, how = {}, []
+    has = splits.folder_splits(path)  # {} when path holds the class folders
+    classes, pool = imagefolder.scan(has.get("train", path))
+    items, how = {}, {}
     for split in ("test", "val"):
-        if has["train"] and has[split]:
-            found, items[split] = imagefolder.scan(path / split)
+        if split in has:
+            found, items[split] = imagefolder.scan(has[split])
             if found != classes:
-                raise UserError(f"{path}/{split} has classes {found}, {path}/train has "
+                raise UserError(f"{has[split]} has classes {found}, {path}/train has "
                                 f"{classes}; they must be the same folders")
-            how.append(f"{split}: {path.name}/{split}/")
+            how[split] = f"{split}: {path.name}/{has[split].name}/"
+    keys = imagefolder.content_keys([f for part in (pool, *items.values()) for f, _ in part])
+    given, meta["duplicates"] = imagefolder.drop_duplicates({"train": pool, **items}, classes,
+                                                            keys)
+    items = {s: v for s, v in given.items() if s != "train"}
+    pool, copies = imagefolder.gather_copies(pool, keys)
+    for split in ("test", "val"):
+        if split in items:
             continue
         labels = np.array([label for _, label in pool])
         keep, held = (splits.pool_test if split == "test" else splits.train_val)(
@@ -203,10 +219,11 @@ def _folder_items(cfg: Config, path: Path, meta: dict[str, Any]):
         items[split] = [pool[i] for i in held]
         pool = [pool[i] for i in keep]
         fraction = d.test_fraction if split == "test" else d.val_fraction
-        how.append(f"{split}: stratified {fraction} held out (seed {cfg.seed})")
+        how[split] = f"{split}: stratified {fraction} held out (seed {cfg.seed})"
     items["train"] = pool
-    meta["split"] = "; ".join(how)
-    return classes, items
+    meta["split"] = "; ".join(how[s] for s in ("test", "val"))
+    return classes, {s: [x for it in v for x in (it, *copies.get(it[0], ()))]
+                     for s, v in items.items()}
 
 
 def _imagefolder_source(cfg: Config, path: Path, folder: Path, meta: dict[str, Any]) -> None:
@@ -316,6 +333,11 @@ def describe(meta: dict[str, Any], folder: Path, did_work: bool) -> str:
         lines.append(f"  splits: {meta['split']}")
     lines.append(f"  image shape {tuple(meta['image_shape'])}, mean {meta['mean']}, "
                  f"std {meta['std']}")
+    if meta.get("duplicates"):
+        lines.append(f"  dropped {len(meta['duplicates'])} image(s) already in an earlier "
+                     f"split (same {'/'.join(sorted({n['by'] for n in meta['duplicates']}))}):")
+        lines += [f"    {n['split']}: {n['file']} = {n['same_as_split']}: {n['same_as']}"
+                  for n in meta["duplicates"][:20]]
     if meta.get("skipped"):
         lines.append(f"  skipped {len(meta['skipped'])} unreadable files:")
         lines += [f"    {s['file']}: {s['reason']}" for s in meta["skipped"][:20]]

@@ -13,6 +13,7 @@ at least one left; a class too small for that is an error naming it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -55,3 +56,49 @@ def pool_test(labels: np.ndarray, cfg, classes=None):
     return hold_out(labels, cfg.data.test_fraction, cfg.seed + 7, "test",
                     "data.test_fraction", classes)
 
+
+# An image folder's split folders, by the names neighbouring tools use (torchvision
+# ImageFolder, Keras, Roboflow, Hugging Face): exact, lower case.
+SPLIT_FOLDERS = {"train": "train", "val": "val", "valid": "val", "validation": "val",
+                 "test": "test"}
+# Names that look like a split but are not one of those: refused, never taken as classes.
+SPLIT_LIKE = {"train": "train", "training": "train", "trn": "train", "val": "val",
+              "valid": "val", "validation": "val", "validate": "val", "dev": "val",
+              "eval": "val", "evaluation": "val", "test": "test", "testing": "test",
+              "tst": "test", "holdout": "test"}
+EXPECTED = "train/, val/ (or valid/, validation/) and test/"
+
+
+def folder_splits(root: Path) -> dict[str, Path]:
+    """{split: folder} of an image folder's split folders ({} when root holds the class
+    folders themselves). A folder that looks like a split under another name (training/,
+    Train/, testing/, eval/), two folders for one split, split folders without train/ or
+    beside class folders: a UserError naming the folder and the names expected."""
+    if not root.is_dir():
+        return {}
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    like = [n for n in folders if n.lower() in SPLIT_LIKE]
+    if not like:
+        return {}
+    odd = [n for n in like if n not in SPLIT_FOLDERS]
+    if odd:
+        n = odd[0]
+        raise UserError(f"{root / n} looks like a split folder, but ddpflow reads {EXPECTED} "
+                        f"(never as classes): rename it to {SPLIT_LIKE[n.lower()]}/, or, if it "
+                        f"is a class, put the class folders under {root / 'train'}/")
+    found: dict[str, Path] = {}
+    for n in like:
+        split = SPLIT_FOLDERS[n]
+        if split in found:
+            raise UserError(f"{root} has two {split} folders, {found[split].name}/ and {n}/; "
+                            f"keep one ({EXPECTED})")
+        found[split] = root / n
+    others = [n for n in folders if n not in like]
+    if others:
+        raise UserError(f"{root} mixes split folders ({', '.join(like)}) with other folders "
+                        f"({', '.join(others[:5])}); expected either class folders only or "
+                        f"{EXPECTED} holding the class folders: move them under train/")
+    if "train" not in found:
+        raise UserError(f"{root} has {', '.join(n + '/' for n in like)} but no train/ folder: "
+                        f"expected {EXPECTED}; rename the training images' folder to train/")
+    return found

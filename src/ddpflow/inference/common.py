@@ -21,6 +21,7 @@ from ddpflow.core.errors import UserError
 from ddpflow.data import crops, imagefolder
 from ddpflow.data.loaders import Normalize
 from ddpflow.engine import checkpoint
+from ddpflow.seams.contract import probe
 from ddpflow.seams.models import build_model, input_channels
 from ddpflow.seams.userimport import add_code_dirs
 
@@ -38,7 +39,8 @@ def stage_weights(cfg: Config, stage: str, kind: str = "final") -> tuple[dict, d
     name, key = WEIGHTS[kind]
     path = cfg.stage_dir(stage) / name
     if not path.is_file():
-        raise UserError(f"stage '{stage}' has no {name} at {path}: run the stage first "
+        why = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise UserError(f"stage '{stage}' has no {name}: {path} {why}; run the stage first "
                         f"(`ddpflow launch --stage {stage}` or snakemake)")
     problem = checkpoint.verify(path)
     if problem:
@@ -75,7 +77,7 @@ def stage_model(cfg: Config, meta: dict, stage: str, kind: str = "final"):
     sd, record = stage_weights(cfg, stage, kind)
     add_code_dirs(cfg)  # model.code_dir on sys.path: a user's model builder imports
     channels = input_channels(cfg.model.name, meta["image_shape"][2])
-    model = build_model(cfg.model, meta["num_classes"], channels)
+    model = build_model(cfg.model, meta["num_classes"], channels, probe(cfg, meta))
     checkpoint.check_fits(model, sd, f"{record['file']} ({kind})")
     model.load_state_dict(sd)
     return model.eval(), record
