@@ -250,7 +250,7 @@ def test_results_dir_that_is_a_file(tmp_path):
 
 def test_rank_command_outside_torchrun(tmp_path):
     assert_clean_failure(ddpflow("train", "--resolved", tmp_path / "nope.json", "--stage", "s1"),
-                         "cannot read the resolved config")
+                         "(the resolved config) does not exist")
     p = tmp_path / "r.json"
     p.write_text("{}")
     proc = ddpflow("train", "--resolved", p, "--stage", "s1",

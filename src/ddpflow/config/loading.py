@@ -9,6 +9,7 @@ same file. `load_config` is the only entry point: it validates once and returns 
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,47 @@ def _coerce_integers(value: Any, schema: dict) -> Any:
     return value
 
 
+MAX_DEPTH = 40  # a config nests a few levels; deeper is a mistake (and Python's recursion)
+INT64 = 2**63 - 1  # torch takes sizes, steps and seeds as 64-bit integers
+
+
+def _check_values(raw: Any) -> None:
+    """Before anything recurses into the config: nesting depth, and numbers no setting
+    takes: NaN and infinity (every comparison with NaN passes a schema's range check) and
+    integers beyond 64 bits (floats may be large). Free mappings (`kwargs`) are the user's:
+    only depth applies."""
+    stack = [(raw, ())]
+    while stack:
+        node, path = stack.pop()
+        where = ".".join(map(str, path)) or "(top level)"
+        if len(path) > MAX_DEPTH:
+            raise UserError(f"invalid config: {'.'.join(map(str, path[:3]))}... nests more "
+                            f"than {MAX_DEPTH} levels deep; a config is a few levels of "
+                            f"settings")
+        free = "kwargs" in path
+        if isinstance(node, float) and not free and not math.isfinite(node):
+            raise UserError(f"invalid config: {where}: {node} is not a finite number; write "
+                            f"a number (no setting takes nan or infinity)")
+        # integers only: a float such as lr 1e30 is a legal (if unwise) value; an integer
+        # setting written as a float is checked again once coerced (validate)
+        if isinstance(node, int) and not isinstance(node, bool) and not free and abs(node) > INT64:
+            shown = f"a {len(str(int(node)))}-digit number"
+            raise UserError(f"invalid config: {where}: {shown} is larger than any setting "
+                            f"takes (at most {INT64})")
+        if isinstance(node, dict):
+            stack.extend((v, (*path, k)) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(node))
+
+
 def validate(raw: dict[str, Any]) -> dict[str, Any]:
     """Validate a raw config dict, fill defaults, and return it. Raises UserError."""
     if not isinstance(raw, dict):
         raise UserError("the config must be a YAML mapping of keys to values")
+    _check_values(raw)
     schema = _schema()
     d = _coerce_integers(copy.deepcopy(raw), schema)
+    _check_values(d)  # integer settings written as floats (seed: 1e100) are integers now
     if isinstance(d.get("task"), str):  # `task: regression` is short for task.name
         d["task"] = {"name": d["task"]}
     cls = _with_defaults(jsonschema.validators.validator_for(schema))
@@ -121,7 +157,22 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
     _check_images(d["data"])
     _check_endpoints(d)
     _check_recipe(d)
+    _check_deterministic(d)
     return d
+
+
+def _check_deterministic(d: dict[str, Any]) -> None:
+    """torch.compile's Inductor autotunes its kernels (split reductions, atomics) outside
+    torch.use_deterministic_algorithms; its own switch (torch._inductor.config.deterministic)
+    is private, so the pair is refused rather than promised."""
+    if not d["deterministic"]:
+        return
+    keys = [f"stages.{i}.compile" for i, st in enumerate(d["stages"]) if st["compile"]]
+    keys += ["tune.compile"] if d["tune"]["compile"] else []
+    if keys:
+        raise UserError(f"invalid config: {keys[0]} is true with deterministic: true, but "
+                        f"torch.compile's generated kernels are not covered by deterministic "
+                        f"mode; set {keys[0]}: false (or deterministic: false)")
 
 
 def _check_recipe(d: dict[str, Any]) -> None:
@@ -269,6 +320,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = yaml.safe_load(value) if value != "" else ""
     except yaml.YAMLError:
         parsed = value
+    except RecursionError:
+        raise UserError(f"--set {key}: the value nests deeper than Python can read; a setting "
+                        f"is a few levels deep") from None
     return key.split("."), parsed
 
 
@@ -279,7 +333,7 @@ def set_key(d: dict[str, Any], parts: list[str], value: Any, label: str = "--set
         last = i == len(parts) - 1
         where = ".".join(parts[: i + 1])
         if isinstance(node, list):
-            if not p.isdigit() or int(p) >= len(node):
+            if not (p.isascii() and p.isdigit()) or int(p) >= len(node):
                 raise UserError(f"{label} {'.'.join(parts)}: '{p}' is not an index of "
                                 f"{'.'.join(parts[:i]) or 'the list'} (0..{len(node) - 1})")
             if last:

@@ -68,6 +68,11 @@ def message(err: jsonschema.ValidationError) -> str:
     if err.validator == "pattern":
         return (f"{where}: {short(err.instance)} is not a valid name: use letters, digits, "
                 f"'.', '_' and '-', starting with a letter or digit{hint}")
+    if err.validator == "minItems" and isinstance(err.instance, list):
+        return (f"{where}: {'is empty' if not err.instance else 'has too few values'}; give "
+                f"at least {err.validator_value} value(s)")
+    if err.validator == "minProperties" and isinstance(err.instance, dict) and not err.instance:
+        return f"{where}: is empty; give at least {err.validator_value} key(s)"
     if err.validator == "maxLength":
         return f"{where}: {short(err.instance)} is longer than {err.validator_value} characters"
     if err.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):

@@ -18,6 +18,8 @@ from ddpflow.core.errors import UserError, short
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of settings, not data
 MAX_YAML_NODES = 100_000  # after expanding aliases: refuses "billion laughs" documents
+TOO_DEEP = ("its lists or mappings nest deeper than Python can read (hundreds of levels); a "
+            "config is a few levels of settings")
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -72,6 +74,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
         try:
             raw = json.loads(sys.stdin.read())
+        except RecursionError:
+            raise UserError(f"--config -: {TOO_DEEP}") from None
         except ValueError as e:
             raise UserError(f"--config -: standard input is not a JSON config ({e})") from None
         return raw if raw is not None else {}
@@ -94,6 +98,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if p.suffix == ".json":  # e.g. the workflow's config: JSON's 1e-05 is text to YAML 1.1
         try:
             raw = json.loads(text)
+        except RecursionError:
+            raise UserError(f"config file {p}: {TOO_DEEP}") from None
         except ValueError as e:
             raise UserError(f"config file {p} is not valid JSON: {e}") from None
         return raw if raw is not None else {}
@@ -114,4 +120,6 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
                         f"{getattr(e, 'problem', None) or e}") from None
     except UserError as e:
         raise UserError(f"config file {p}: {e}") from None
+    except RecursionError:
+        raise UserError(f"config file {p}: {TOO_DEEP}") from None
     return raw if raw is not None else {}

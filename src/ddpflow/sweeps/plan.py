@@ -16,6 +16,7 @@ their GPUs/cores from one slot pool (`hardware.slots`, see slots.py).
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import itertools
 import json
@@ -99,6 +100,12 @@ def _points(sw: dict) -> list[dict]:
     return [dict(zip(keys, values)) for values in itertools.product(*sw["grid"].values())]
 
 
+def count(sw: dict) -> int:
+    """How many trials a sweep section makes, computed without expanding anything."""
+    points = sw["random"]["samples"] if sw["random"] else math.prod(map(len, sw["grid"].values()))
+    return max(len(sw["variants"]), 1) * points
+
+
 def expand(d: dict) -> list[Trial]:
     """The trials of a validated config dict (defaults filled), in a stable order."""
     sw = d["sweep"]
@@ -107,17 +114,80 @@ def expand(d: dict) -> list[Trial]:
     if dupes:
         raise UserError(f"invalid sweep: sweep.variants names must be unique, repeated: "
                         f"{', '.join(dupes)}")
-    variants = [(v["name"], v.get("set") or {}) for v in sw["variants"]] or [(None, {})]
-    points = _points(sw)
-    n = len(variants) * len(points)
+    n = count(sw)
     if n > sw["max_trials"]:
         raise UserError(f"invalid sweep: {n} trials, more than sweep.max_trials "
                         f"{sw['max_trials']}; shrink the grid or raise sweep.max_trials")
+    check_values(sw)
+    check_places(sw)
+    variants = [(v["name"], v.get("set") or {}) for v in sw["variants"]] or [(None, {})]
     trials = []
-    for (name, sets), point in itertools.product(variants, points):
+    for (name, sets), point in itertools.product(variants, _points(sw)):
         overrides = {**sets, **point}
         trials.append(Trial(trial_id(point, name, overrides), overrides, name))
     return trials
+
+
+def _same(value: Any) -> str:
+    """One text per meaning: 1 and 1.0 alike (YAML and --set write either), true not 1."""
+    def norm(v):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, dict):
+            return {str(k): norm(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        return v
+    return json.dumps(norm(value), sort_keys=True, default=repr)
+
+
+def check_values(sw: dict) -> None:
+    """A grid list (or a choice list) that names one value twice, or two variants that set
+    the same values, would run one trial twice."""
+    lists = [(f"sweep.grid.{k}", v) for k, v in sw["grid"].items()]
+    lists += [(f"sweep.random.space.{k}.choice", spec["choice"])
+              for k, spec in ((sw["random"] or {}).get("space") or {}).items()
+              if "choice" in spec]
+    for where, values in lists:
+        seen: dict[str, Any] = {}
+        for v in values:
+            if (text := _same(v)) in seen:
+                first = seen[text]
+                also = (f" ({json.dumps(first)} and {json.dumps(v)} mean the same setting)"
+                        if json.dumps(first) != json.dumps(v) else "")
+                raise UserError(f"invalid sweep: {where} lists the value {json.dumps(first)} "
+                                f"twice{also}; remove one")
+            seen[text] = v
+    sets: dict[str, str] = {}
+    for v in sw["variants"]:
+        text = _same({_canonical(k): x for k, x in (v.get("set") or {}).items()})
+        if (other := sets.setdefault(text, v["name"])) != v["name"]:
+            raise UserError(f"invalid sweep: sweep.variants '{other}' and '{v['name']}' set the "
+                            f"same values, so their trials would be the same runs; remove one")
+
+
+def _canonical(key: str) -> str:
+    return ".".join(str(int(p)) if p.isascii() and p.isdigit() else p for p in key.split("."))
+
+
+def check_places(sw: dict) -> None:
+    """A setting given in two places of one trial (the grid or random space and a variant's
+    `set`, or two spellings of one key): refused, so no value is silently dropped."""
+    swept = [(k, "sweep.grid") for k in sw["grid"]]
+    swept += [(k, "sweep.random.space") for k in ((sw["random"] or {}).get("space") or {})]
+    groups = [[(k, f"sweep.variants '{v['name']}' set") for k in (v.get("set") or {})]
+              for v in sw["variants"]] or [[]]
+    for group in groups:
+        places = swept + group
+        for i, (a, wa) in enumerate(places):
+            for b, wb in places[i + 1:]:
+                ca, cb = _canonical(a), _canonical(b)
+                if ca == cb or ca.startswith(cb + ".") or cb.startswith(ca + "."):
+                    why = (" (a variant's set may not repeat a swept key)"
+                           if "variants" in wb else "")
+                    raise UserError(f"invalid sweep: {wa} key '{a}' and {wb} key '{b}' set the "
+                                    f"same setting {min(ca, cb, key=len)}; set it in one "
+                                    f"place{why}")
 
 
 # --------------------------------------------------------------------------- checking
@@ -136,7 +206,7 @@ def check_key(key: str, where: str, schema: dict | None = None) -> None:
             raise UserError(f"invalid sweep: {where} '{key}': {'.'.join(parts[:i + 1])} is the "
                             f"same for every trial of a sweep and cannot be swept")
         if node.get("type") == "array" or "items" in node:
-            if not p.isdigit():
+            if not (p.isascii() and p.isdigit()):
                 raise UserError(f"invalid sweep: {where} '{key}': '{p}' is not a list index")
             node = node.get("items", {})
             continue
@@ -144,10 +214,27 @@ def check_key(key: str, where: str, schema: dict | None = None) -> None:
         if props is None:  # a free mapping (kwargs): any key below it
             return
         if p not in props:
-            near = ", ".join(sorted(props)[:12])
+            close = _closest(p, list(props))
+            near = (f"did you mean '{close}'?" if close
+                    else f"it has: {', '.join(sorted(props)[:12])}")
             raise UserError(f"invalid sweep: {where} '{key}': no setting '{p}' in "
-                            f"{'.'.join(parts[:i]) or 'the config'} (it has: {near})")
+                            f"{'.'.join(parts[:i]) or 'the config'} ({near})")
         node = props[p]
+
+
+def _closest(word: str, names: list[str]) -> str | None:
+    """The setting a misspelt key most likely meant: same letters in another case, a name
+    the key begins with (or that begins with it), else the nearest by difflib."""
+    low = word.lower()
+    for n in names:
+        if n.lower() == low:
+            return n
+    stems = [n for n in names if len(n) > 1 and (low.startswith(n.lower())
+                                                 or n.lower().startswith(low))]
+    if stems and len(low) > 1:
+        return max(stems, key=len)
+    close = difflib.get_close_matches(word, names, n=1)
+    return close[0] if close else None
 
 
 def trial_dict(d: dict, trial: Trial) -> dict:
