@@ -108,7 +108,8 @@ def _inference_commands(sub) -> None:
     p = sub.add_parser("predict", help="an export bundle on image files or folders -> CSV")
     p.add_argument("--bundle", required=True, help="folder written by `ddpflow export`")
     p.add_argument("--out", default="predictions.csv", help="CSV file to write")
-    p.add_argument("--top-k", type=int, default=5, help="classes per image in the CSV")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="classes per image in the CSV (default 5, or all when fewer)")
     p.add_argument("--format", choices=["auto", "torchscript", "onnx"], default="auto",
                    help="which model file runs (auto: TorchScript, else ONNX)")
     p.add_argument("--device", default="auto", help="auto (GPU when there is one) | cpu | cuda")
@@ -272,7 +273,9 @@ def run(argv: list[str] | None = None) -> int:
     if args.command == "sweep" and args.action == "collect":
         from ddpflow.sweeps.leaderboard import collect
 
-        print(collect(cfg, args.logs), end="")
+        with _stop_raises():  # a stopped collect keeps none of its part-written leaderboard
+            text = collect(cfg, args.logs)
+        print(text, end="")
         return 0
     if args.command == "sweep":
         from ddpflow.sweeps import plan as sweep

@@ -177,11 +177,14 @@ def inputs_of_stage(cfg, stage, results, data_meta):
 def slurm_resources(cfg=config):
     """Resources the Slurm executor turns into sbatch options (ignored by --cores)."""
     s = cfg["slurm"]
-    extra = f"--signal=USR1@{s['signal_before_end_s']} {s['extra']}".strip()
+    # the executor pastes slurm_extra into its sbatch line (a shell runs it): one quoted
+    # word per option (config validation took slurm.extra only as plain words, see
+    # docs/slurm.md), never one word of all of them
+    extra = [f"--signal=USR1@{s['signal_before_end_s']}", *s["extra"].split()]
     res = {
         "mem_mb": s["mem_mb"],
         "runtime": s["runtime_min"],
-        "slurm_extra": f"'{extra}'",
+        "slurm_extra": shell_line(extra),
     }
     if s["gpus"] > 0:
         # one task that keeps all the job's GPUs (torchrun starts the ranks): no

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from urllib.parse import urlparse
 
+from ddpflow.core.errors import short
+
 MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql",
                   "databricks")
 MLFLOW_FORMS = ("http://host:port, https://host, sqlite:///relative.db, sqlite:////absolute.db, "
@@ -116,14 +118,36 @@ def mlflow_installed_problem(uri: str, kind: str) -> str | None:
     return None
 
 
+# an image reference as docker, podman and apptainer take it: [host[:port]/]name[:tag][@digest],
+# name = lowercase path components (distribution's reference grammar)
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*(?::[0-9]+)?/)?"
+IMAGE_REF = re.compile(rf"^{_HOST}{_COMPONENT}(?:/{_COMPONENT})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]"
+                       rf"{{0,127}})?(?:@sha256:[0-9a-f]{{64}})?$")
+IMAGE_FORM = ("[registry/]name[:tag] with a lowercase name and a tag of letters, digits, "
+              "'_', '.' and '-' (at most 128), e.g. ddpflow:latest or ghcr.io/org/ddpflow:1.0")
+
+
+def image_ref_problem(ref: str) -> str | None:
+    """An image name and tag the engines accept, or what is wrong with it."""
+    if len(ref) > 255 or not IMAGE_REF.match(ref):
+        return f"is not an image reference: write {IMAGE_FORM}"
+    return None
+
+
 def container_uri_problem(uri: str) -> str | None:
     """What `container:` and `apptainer build` take: docker://, oras:// or a .sif file."""
     if uri.startswith(("docker://", "oras://")):
         rest = uri.split("://", 1)[1]
-        if not rest or " " in rest or rest.startswith("/"):
+        if rest.strip() != rest:
+            return "has spaces or a line break around the image: remove them"
+        if not rest or rest.startswith("/"):
             return "has no image after the scheme, e.g. docker://org/ddpflow:1.0"
+        if image_ref_problem(rest):
+            return (f"has {short(rest, 60)} after the scheme, which is not an image: write "
+                    f"{IMAGE_FORM}")
         return None
-    if uri.endswith(".sif") and "://" not in uri:
+    if uri.endswith(".sif") and "://" not in uri and not any(ord(c) < 32 for c in uri):
         return None
     return ("is not docker://<image>, oras://<image> or a path to a .sif file (a plain "
             "image name needs docker:// in front)")
@@ -134,3 +158,70 @@ def gres_gpus(gres: str) -> int | None:
     plugin passes on), or None when it is neither."""
     m = GRES_GPU.match(gres)
     return int(m.group(2)) if m else None
+
+
+# sbatch values. The Slurm executor plugin quotes partition and account itself but pastes
+# slurm_extra into its sbatch line (run by a shell) as written: slurm.extra is taken only as
+# words of these characters (no quote, $, backtick, ;, |, &, <, >, (, ), \ or newline can
+# reach that shell), and ddpflow quotes each word again when it builds slurm_extra.
+SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+SLURM_PARTITIONS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(,[A-Za-z0-9][A-Za-z0-9_.-]*)*$")
+SLURM_GPU_MODEL = re.compile(r"^[A-Za-z0-9_.]+$")  # what the executor plugin accepts
+SLURM_EXTRA_WORD = re.compile(r"^[A-Za-z0-9_=:,./@%+-]+$")
+# options the executor (or ddpflow) sets itself, and the key that sets them instead
+SLURM_MANAGED = {
+    "--job-name": "-", "-J": "-", "--output": "-", "-o": "-", "--error": "-", "-e": "-",
+    "--parsable": "-", "--export": "-", "--comment": "-", "--workdir": "-", "--chdir": "-",
+    "-D": "-", "--account": "slurm.account", "-A": "slurm.account",
+    "--partition": "slurm.partition", "-p": "slurm.partition", "--mem": "slurm.mem_mb",
+    "--mem-per-cpu": "slurm.mem_mb", "--ntasks": "hardware.nodes", "-n": "hardware.nodes",
+    "--ntasks-per-gpu": "-", "--cpus-per-task": "slurm.cpus", "-c": "slurm.cpus",
+    "--cpus-per-gpu": "slurm.cpus_per_gpu", "--time": "slurm.runtime_min",
+    "-t": "slurm.runtime_min", "--constraint": "-", "-C": "-", "--qos": "-",
+    "--nodes": "hardware.nodes", "-N": "hardware.nodes", "--clusters": "-", "-M": "-",
+    "--gres": "slurm.gres", "--gpus": "slurm.gpus", "-G": "slurm.gpus",
+    "--signal": "slurm.signal_before_end_s"}
+
+
+def slurm_extra_problem(extra: str) -> str | None:
+    """slurm.extra: sbatch options as plain words the executor's shell line keeps as they
+    are, none that the executor or ddpflow sets from another key."""
+    for word in extra.split():
+        if not SLURM_EXTRA_WORD.match(word):
+            bad = sorted({c for c in word if not SLURM_EXTRA_WORD.match(c)})
+            shown = ", ".join(repr(c) for c in bad[:5])
+            return (f"has {shown} in {short(word, 60)}: the Slurm executor pastes slurm.extra "
+                    f"into a shell line unquoted, so ddpflow takes only sbatch options made "
+                    f"of letters, digits and _ = : , . / @ % + - separated by spaces (no "
+                    f"quotes needed, e.g. --gpus-per-node=8 --mail-type=END)")
+        option = word.split("=", 1)[0]
+        if option in SLURM_MANAGED:
+            key = SLURM_MANAGED[option]
+            instead = (f"set {key} instead" if key != "-" else
+                       "the Slurm executor sets it (a per-rule resource: snakemake "
+                       "--set-resources)")
+            return f"sets {option}, which ddpflow passes to sbatch itself: {instead}"
+    return None
+
+
+def slurm_problem(s: dict) -> tuple[str, str] | None:
+    """(key, problem) of the first slurm: value that cannot reach sbatch as meant, or None.
+    Ranges the schema holds (0, absurd sizes) are checked there."""
+    for key, form, example in (("partition", SLURM_PARTITIONS, "gpu or gpu,long"),
+                               ("account", SLURM_NAME, "proj-123"),
+                               ("gpu_model", SLURM_GPU_MODEL, "a100")):
+        value = s.get(key)
+        if value is not None and not form.match(value):
+            return key, (f"{short(value, 60)} is not a Slurm {key.replace('_', ' ')}: use "
+                         f"letters, digits, '_', '.' and '-' (e.g. {example}), no spaces, "
+                         f"quotes or ';'")
+    if (problem := slurm_extra_problem(s.get("extra") or "")):
+        return "extra", problem
+    limit = s["runtime_min"] * 60
+    if s["signal_before_end_s"] >= limit:
+        return "signal_before_end_s", (
+            f"is {s['signal_before_end_s']} s but a job runs only {limit} s "
+            f"(slurm.runtime_min {s['runtime_min']}): the signal to checkpoint must come "
+            f"before the end; set it below {limit} (e.g. {min(180, limit // 2)}) or raise "
+            f"runtime_min")
+    return None

@@ -65,6 +65,10 @@ def message(err: jsonschema.ValidationError) -> str:
     if err.validator == "pattern" and ":" in err.validator_value:
         return (f"{where}: {short(err.instance)} is not an import path: write "
                 f"package.module:callable{hint}")
+    if err.validator == "pattern" and err.schema.get("examples"):  # a form, not a name
+        shown = " or ".join(str(x) for x in err.schema["examples"])
+        what = err.schema.get("description", "of the expected form")
+        return f"{where}: {short(err.instance)} is not {what}: write it like {shown}{hint}"
     if err.validator == "pattern":
         return (f"{where}: {short(err.instance)} is not a valid name: use letters, digits, "
                 f"'.', '_' and '-', starting with a letter or digit{hint}")

@@ -28,37 +28,60 @@ IN_CONTAINER = "DDPFLOW_IN_CONTAINER"
 PODMAN_SOCKETS = ("/run/podman/podman.sock",)
 
 
-def _socket_hint(engine: str) -> str:
+DOCKER_SOCKET = "unix:///var/run/docker.sock"  # the Docker SDK's default without DOCKER_HOST
+START = {"docker": "start it with `dockerd &` (or `systemctl start docker`)",
+         "podman": "start its API with `podman system service --time=0 &`"}
+INSTALL = {"docker": "install it (apt-get install docker.io)",
+           "podman": "install it (apt-get install podman)"}
+
+
+def _sockets(engine: str) -> list[str]:
+    """The engine addresses to try, in order: DOCKER_HOST when set, else the engine's own."""
     if os.environ.get("DOCKER_HOST"):
-        return f"DOCKER_HOST={os.environ['DOCKER_HOST']}"
-    return "unix:///var/run/docker.sock" if engine == "docker" else "the podman socket"
+        return [os.environ["DOCKER_HOST"]]
+    if engine == "docker":
+        return [DOCKER_SOCKET]
+    run_dir = os.environ.get("XDG_RUNTIME_DIR", "")
+    socks = [f"{run_dir}/podman/podman.sock"] if run_dir else []
+    return [f"unix://{s}" for s in (*socks, *PODMAN_SOCKETS)]
+
+
+def _unreachable(engine: str, tried: list[str], error: Exception | None) -> UserError:
+    """One message: the engine, the addresses tried and why, and what to do."""
+    where = " or ".join(tried)
+    path = tried[0][len("unix://"):] if tried[0].startswith("unix://") else None
+    if path and len(tried) == 1 and not os.path.exists(path):
+        why = "the socket does not exist"
+    elif error is None:
+        why = "none of these sockets exists"
+    else:
+        why = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+    source = " (from DOCKER_HOST)" if os.environ.get("DOCKER_HOST") else ""
+    todo = START[engine] if shutil.which(engine) else INSTALL[engine] + ", then " + START[engine]
+    return UserError(f"container.engine is '{engine}', but the {engine} engine at {where}"
+                     f"{source} does not answer: {why}; {todo}, or set container.engine: none "
+                     f"to run the stages in the host environment")
 
 
 def client(engine: str):
-    """A Docker-API client for docker or podman, or a UserError that says what to do."""
+    """A Docker-API client for docker or podman, or a UserError that names the engine, the
+    socket it tried and what to do (never a Docker SDK traceback)."""
     import docker
 
-    kwargs = {}
-    if engine == "podman" and not os.environ.get("DOCKER_HOST"):
-        run_dir = os.environ.get("XDG_RUNTIME_DIR", "")
-        for sock in (f"{run_dir}/podman/podman.sock" if run_dir else "", *PODMAN_SOCKETS):
-            if sock and os.path.exists(sock):
-                kwargs["base_url"] = f"unix://{sock}"
-                break
-    try:
-        c = docker.DockerClient(**kwargs) if kwargs else docker.from_env()
+    tried = _sockets(engine)
+    url = tried[0]
+    podman_here = engine == "podman" and not os.environ.get("DOCKER_HOST")
+    if podman_here:
+        found = [s for s in tried if os.path.exists(s[len("unix://"):])]
+        if not found:
+            raise _unreachable(engine, tried, None)
+        url = found[0]
+    try:  # from_env: DOCKER_HOST with DOCKER_TLS_VERIFY and DOCKER_CERT_PATH
+        c = docker.DockerClient(base_url=url) if podman_here else docker.from_env()
         c.ping()
         return c
     except Exception as e:  # noqa: BLE001 - any failure to reach the engine gets one message
-        installed = shutil.which(engine) is not None
-        what = ("is installed but its engine does not answer" if installed
-                else "is not installed")
-        start = {"docker": "start it with `dockerd` (or `systemctl start docker`)",
-                 "podman": "start its API with `podman system service --time=0 &`"}[engine]
-        raise UserError(f"container.engine is '{engine}', but {engine} {what} "
-                        f"({_socket_hint(engine)}: {type(e).__name__}); {start}, or set "
-                        f"container.engine: none to run the stages in the host environment"
-                        ) from None
+        raise _unreachable(engine, [url], e) from None
 
 
 # image.json as the stage launcher reads it (core/reading.py validates it first)

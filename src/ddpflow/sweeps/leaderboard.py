@@ -21,7 +21,7 @@ from pathlib import Path
 from ddpflow.config import Config, from_dict
 from ddpflow.core import reading
 from ddpflow.core.quoting import html_text, write_csv
-from ddpflow.core.writing import write_json_atomic, write_text_atomic
+from ddpflow.core.writing import output_lock, write_json_atomic, write_text_atomic
 from ddpflow.launch.slots import read_record
 from ddpflow.results.collect import stage_row
 from ddpflow.results.report import CSS, ONLOAD, _fmt, _img
@@ -130,20 +130,40 @@ def collect(cfg: Config, logs: Path | None = None) -> str:
     out = cfg.run_dir / "sweep"
     swept = plan["swept"]
     fields = COLUMNS[:3] + ["variant"] + [f"param:{k}" for k in swept] + COLUMNS[3:]
-    figures = _plots(rows, swept, out)
     best = next((r for r in rows if r["best"]), None)
-    board = {"run": cfg.run, "swept": swept, "trials": rows, "best": best and {
-        "trial": best["trial"], "value": best["best_value"], "monitor": best["monitor"],
-        "weights": best["weights"]}, "figures": sorted(p.name for p in figures.values())}
-    write_csv(out / "leaderboard.csv", fields, rows)
-    write_json_atomic(out / "leaderboard.json", board)
-    write_text_atomic(out / "report.html", render(cfg, board, figures, out))
-    text = headline(cfg, rows, best, out)
-    write_text_atomic(out / "headline.txt", text)
+    # one writer at a time; the last leaderboard goes first and headline.txt (the file that
+    # says the set is complete) comes last: a collect killed part-way (even by SIGKILL)
+    # leaves no headline and no stale file beside new ones, and the next collect rewrites all
+    with output_lock(out, "the sweep leaderboard"):
+        out.mkdir(parents=True, exist_ok=True)
+        _remove_outputs(out)
+        try:
+            figures = _plots(rows, swept, out)
+            board = {"run": cfg.run, "swept": swept, "trials": rows, "best": best and {
+                "trial": best["trial"], "value": best["best_value"], "monitor":
+                best["monitor"], "weights": best["weights"]},
+                "figures": sorted(p.name for p in figures.values())}
+            write_csv(out / "leaderboard.csv", fields, rows)
+            write_json_atomic(out / "leaderboard.json", board)
+            write_text_atomic(out / "report.html", render(cfg, board, figures, out))
+            text = headline(cfg, rows, best, out)
+            write_text_atomic(out / "headline.txt", text)
+        except BaseException:  # SIGTERM (cli raises Stopped), Ctrl-C, an error: no part kept
+            _remove_outputs(out)
+            raise
     finish_workflow_run(cfg, [out / n for n in ("leaderboard.csv", "leaderboard.json",
                                                 "report.html", "headline.txt")]
                         + sorted(figures.values()), sweep=True)
     return text
+
+
+OUTPUTS = ("headline.txt", "leaderboard.csv", "leaderboard.json", "report.html")
+
+
+def _remove_outputs(out: Path) -> None:
+    """The leaderboard's files, headline.txt (the mark of a complete set) first."""
+    for path in [*(out / n for n in OUTPUTS), *out.glob("metric_vs_*.png")]:
+        path.unlink(missing_ok=True)
 
 
 def headline(cfg: Config, rows: list[dict], best: dict | None, out: Path) -> str:

@@ -1,0 +1,300 @@
+"""The Slurm and container settings, and two faults of real processes (hardening issue).
+
+Slurm: every `slurm:` value that reaches sbatch (partition, account, gpu_model, gres, extra,
+sizes, the signal's time) is the right sbatch option or one config message naming the key;
+slurm.extra never reaches the executor's shell as anything but plain option words.
+Containers: an engine that is absent or does not answer, and each container value, is one
+message naming it (no Docker SDK traceback). No Slurm cluster and no engine is started.
+Faults: a `sweep collect` killed (SIGKILL) while it writes leaves no leaderboard that looks
+complete, and the next collect writes all of it; two `ddpflow prepare` of one folder at once:
+one builds, the other exits 2 naming the holder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, ddpflow, tiny_config, write_config
+from ddpflow.config import from_dict
+from ddpflow.core.errors import UserError
+from ddpflow.core.quoting import shell_line
+
+SMK = REPO / "workflow/rules/common.smk"
+
+
+def _refused(tmp_path, **top) -> str:
+    with pytest.raises(UserError) as e:
+        from_dict(tiny_config(tmp_path, **top))
+    text = str(e.value)
+    assert text.startswith("invalid config: ") and "\n" not in text, text
+    return text
+
+
+# --------------------------------------------------------------------------- Slurm
+
+SLURM_ROWS = [  # (slurm: section, the key named, words of the message)
+    ({"partition": "gpu long"}, "slurm.partition", "is not a Slurm partition"),
+    ({"partition": "gpu'"}, "slurm.partition", "no spaces, quotes"),
+    ({"partition": "gpu;reboot"}, "slurm.partition", "';'"),
+    ({"partition": "gpu\nx"}, "slurm.partition", "is not a Slurm partition"),
+    ({"account": "proj 1"}, "slurm.account", "is not a Slurm account"),
+    ({"account": "$(id)"}, "slurm.account", "is not a Slurm account"),
+    ({"gpu_model": "a100;x"}, "slurm.gpu_model", "is not a Slurm gpu model"),
+    ({"extra": "--mail-user='me@x.org'"}, "slurm.extra", "\"'\""),
+    ({"extra": "--mail-user=$(touch${IFS}/tmp/owned)"}, "slurm.extra", "'$', '(', ')'"),
+    ({"extra": "--begin=now;reboot"}, "slurm.extra", "';'"),
+    ({"extra": "--x=`id`"}, "slurm.extra", "'`'"),
+    ({"extra": "--x=1\n--y=2"}, "slurm.extra", None),  # newline: split into words, fine
+    ({"extra": "--mem=4G"}, "slurm.extra", "set slurm.mem_mb instead"),
+    ({"extra": "--signal=B:USR1@60"}, "slurm.extra", "set slurm.signal_before_end_s"),
+    ({"extra": "-p long"}, "slurm.extra", "set slurm.partition instead"),
+    ({"extra": "--qos=high"}, "slurm.extra", "--set-resources"),
+    ({"gres": "gpu"}, "slurm.gres", "is not gpu:N or gpu:type:N"),
+    ({"gres": "gpu:a100:two"}, "slurm.gres", "is not gpu:N"),
+    ({"gres": "gpu:0"}, "slurm.gres", "asks for no GPU"),
+    ({"gres": "gpu:2", "gpus": 4}, "slurm.gres", "asks for 2 GPU(s) and slurm.gpus for 4"),
+    ({"gpus": 0, "gpu_model": "a100"}, "slurm.gpu_model", "slurm.gpus is 0"),
+    ({"gpus": -1}, "slurm.gpus", "less than the minimum of 0"),
+    ({"gpus": 100000}, "slurm.gpus", "greater than the maximum"),
+    ({"cpus": 0}, "slurm.cpus", "less than the minimum of 1"),
+    ({"cpus_per_gpu": 0}, "slurm.cpus_per_gpu", "less than the minimum of 1"),
+    ({"mem_mb": 0}, "slurm.mem_mb", "less than the minimum of 256"),
+    ({"mem_mb": 10**12}, "slurm.mem_mb", "greater than the maximum"),
+    ({"runtime_min": 0}, "slurm.runtime_min", "less than the minimum of 1"),
+    ({"runtime_min": 3, "signal_before_end_s": 180}, "slurm.signal_before_end_s",
+     "must come before the end; set it below 180"),
+    ({"runtime_min": 5, "signal_before_end_s": 300}, "slurm.signal_before_end_s",
+     "below 300"),
+    ({"signal_before_end_s": 70000}, "slurm.signal_before_end_s", "greater than the maximum"),
+]
+
+
+@pytest.mark.parametrize("slurm, key, words", SLURM_ROWS,
+                         ids=[f"{r[1]}-{i}" for i, r in enumerate(SLURM_ROWS)])
+def test_a_slurm_value_sbatch_cannot_take_is_one_message(tmp_path, slurm, key, words):
+    if words is None:  # accepted: a newline only separates words, as a space does
+        assert from_dict(tiny_config(tmp_path, slurm=slurm)).slurm.extra == slurm["extra"]
+        return
+    text = _refused(tmp_path, slurm=slurm)
+    assert key in text and words in text, text
+
+
+def _slurm_resources():
+    """common.smk's slurm_resources, as the workflow defines it (the .smk file itself)."""
+    src = SMK.read_text()
+    start = src.index("def slurm_resources(")
+    end = src.index("\ndef ", start + 1)
+    scope = {"shell_line": shell_line, "config": None}
+    exec(compile(src[start:end], str(SMK), "exec"), scope)
+    return scope["slurm_resources"]
+
+
+@pytest.mark.parametrize("extra", ["", "--gpus-per-node=8 --mail-type=END",
+                                   "--x=1\n--y=2", "--exclusive"])
+def test_accepted_slurm_values_reach_sbatch_as_separate_options(tmp_path, extra):
+    """What the executor plugin's sbatch line (a shell line) makes of slurm_extra: one argv
+    word per option, the signal first; partition and account as given."""
+    from types import SimpleNamespace
+
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+
+    cfg = from_dict(tiny_config(tmp_path, slurm={
+        "extra": extra, "partition": "gpu,long", "account": "proj-1.a", "gpus": 2,
+        "runtime_min": 60, "signal_before_end_s": 120}))
+    res = _slurm_resources()(cfg.to_dict())
+
+    class Res(dict):
+        __getattr__ = dict.get
+
+    job = SimpleNamespace(resources=Res(res), is_group=lambda: False, threads=1)
+    params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c",
+              "account": f"-A {shlex.quote(cfg.slurm.account)}",
+              "partition": f"-p {shlex.quote(cfg.slurm.partition)}", "workdir": "/w"}
+    argv = shlex.split(get_submit_command(job, params))
+    want = ["--signal=USR1@120", *extra.split()]
+    i = argv.index(want[0])
+    assert argv[i:i + len(want)] == want, argv
+    assert argv[argv.index("-p") + 1] == "gpu,long" and argv[argv.index("-A") + 1] == "proj-1.a"
+
+
+# --------------------------------------------------------------------------- containers
+
+CONTAINER_ROWS = [  # (container: section, the key named, words of the message)
+    ({"shm_size": "16 GB"}, "container.shm_size", "is not a size"),
+    ({"shm_size": "16gb"}, "container.shm_size", "write it like 16g or 512m"),
+    ({"shm_size": "-1g"}, "container.shm_size", "16g"),
+    ({"image": "DDPflow:1"}, "container.image", "is not an image reference"),
+    ({"image": "ddpflow:la test"}, "container.image", "a tag of letters"),
+    ({"image": "ddpflow:$(id)"}, "container.image", "is not an image reference"),
+    ({"image": "ddpflow:"}, "container.image", "is not an image reference"),
+    ({"image": "ddpflow:" + "x" * 200}, "container.image", "at most 128"),
+    ({"base_image": "pytorch/pytorch:2.4 cuda"}, "container.base_image", "not an image"),
+    ({"uri": "ddpflow:latest"}, "container.uri", "needs docker:// in front"),
+    ({"uri": "docker://"}, "container.uri", "has no image after the scheme"),
+    ({"uri": "docker://Org/Bad Name"}, "container.uri", "which is not an image"),
+    ({"uri": "docker://x;rm -rf ~"}, "container.uri", "which is not an image"),
+    ({"uri": "https://example.org/x.sif"}, "container.uri", "is not docker://"),
+    ({"uri": "docker://org/ddpflow:1.0", "engine": "docker"}, "container.uri",
+     "drop the uri or change the engine"),
+]
+
+
+@pytest.mark.parametrize("container, key, words", CONTAINER_ROWS,
+                         ids=[f"{r[1]}-{i}" for i, r in enumerate(CONTAINER_ROWS)])
+def test_a_container_value_the_engines_refuse_is_one_message(tmp_path, container, key, words):
+    text = _refused(tmp_path, container=container)
+    assert key in text and words in text, text
+
+
+@pytest.mark.parametrize("image", ["ddpflow:latest", "ghcr.io/org/ddpflow:1.0",
+                                   "localhost:5000/a/b:2.4.0-cuda12.1",
+                                   "nvcr.io/nvidia/x:24.05-py3",
+                                   "ddpflow@sha256:" + "a" * 64])
+def test_image_references_the_engines_take_are_accepted(tmp_path, image):
+    cfg = from_dict(tiny_config(tmp_path, container={"image": image, "base_image": image}))
+    assert cfg.container.image == image
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_an_engine_that_does_not_answer_is_one_message(tmp_path, monkeypatch, engine):
+    """DOCKER_HOST at a socket that does not exist: the engine, the socket and what to do."""
+    from ddpflow.launch import container
+
+    sock = tmp_path / "no" / f"{engine}.sock"
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{sock}")
+    with pytest.raises(UserError) as e:
+        container.client(engine)
+    text = str(e.value)
+    assert f"container.engine is '{engine}'" in text and f"unix://{sock}" in text, text
+    assert "the socket does not exist" in text and "DOCKER_HOST" in text, text
+    assert "start" in text and "container.engine: none" in text, text
+    assert "Traceback" not in text and "\n" not in text
+
+
+def test_podman_without_its_socket_names_the_sockets_tried(tmp_path, monkeypatch):
+    from ddpflow.launch import container
+
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(container, "PODMAN_SOCKETS", (str(tmp_path / "sys/podman.sock"),))
+    with pytest.raises(UserError) as e:
+        container.client("podman")
+    text = str(e.value)
+    assert f"unix://{tmp_path}/run/podman/podman.sock or unix://{tmp_path}/sys/podman.sock" \
+        in text and "none of these sockets exists" in text, text
+    assert "podman system service" in text
+
+
+def test_apptainer_not_installed_is_one_message_and_nothing_written(tmp_path, monkeypatch):
+    from ddpflow.launch import container
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    cfg = from_dict(tiny_config(tmp_path, container={"engine": "apptainer",
+                                                     "uri": "docker://org/ddpflow:1.0"}))
+    out = tmp_path / "run" / "image.json"
+    with pytest.raises(UserError, match="container.engine is 'apptainer', but apptainer is "
+                                        "not installed; install it, or set container.engine"):
+        container.build(cfg, REPO, out)
+    assert not out.parent.exists()
+
+
+# --------------------------------------------------------------------------- real processes
+
+# `ddpflow <args>` with one function wrapped: it prints `marker` and waits for a line on
+# stdin before it goes on (a point the test controls, inside the real command)
+PAUSED = """
+import importlib, sys
+module, name, marker = sys.argv[1:4]
+mod = importlib.import_module(module)
+real = getattr(mod, name)
+def paused(*a, **k):
+    if marker in str(a[0]) or marker == "*":
+        print("paused", flush=True)
+        sys.stdin.readline()
+    return real(*a, **k)
+setattr(mod, name, paused)
+from ddpflow.cli import entry
+sys.argv = ["ddpflow", *sys.argv[4:]]
+raise SystemExit(entry())
+"""
+
+
+def _paused(module: str, name: str, marker: str, *args) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED, module, name, marker,
+                             *map(str, args)], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    line = proc.stdout.readline() if ready else ""
+    assert line.strip() == "paused", (line, proc.poll(), proc.stderr.read() if
+                                      proc.poll() is not None else "")
+    return proc
+
+
+LEADERBOARD = ("headline.txt", "leaderboard.csv", "leaderboard.json", "report.html")
+
+
+def test_sigkill_while_the_leaderboard_is_written_leaves_nothing_that_looks_complete(tmp_path):
+    cfg = tiny_config(tmp_path, sweep={"grid": {"stages.0.lr": [0.05, 0.1]}},
+                      hardware={"device": "cpu"})
+    path = write_config(tmp_path, cfg)
+    ddpflow("sweep", "plan", "--config", path, check=True)
+    out = tmp_path / "results/t/sweep"
+    ddpflow("sweep", "collect", "--config", path, check=True)
+    first = json.loads((out / "leaderboard.json").read_text())
+    assert all(t["status"] == "not finished" for t in first["trials"])
+    # one trial now has a summary (minimal, passes SUMMARY_SCHEMA): the next board differs
+    plan = json.loads((out / "plan.json").read_text())
+    trial = from_dict(json.loads(Path(plan["trials"][0]["config"]).read_text()))
+    stage = trial.stage_dir(trial.stages[0].name)
+    stage.mkdir(parents=True)
+    (stage / "summary.json").write_text(json.dumps({
+        "finished": True, "steps": 8, "wall_time_s": 1.5, "world_size": 1,
+        "monitor": "val_loss", "best_value": 0.5}))
+    proc = _paused("ddpflow.sweeps.leaderboard", "write_json_atomic", "leaderboard.json",
+                   "sweep", "collect", "--config", path)
+    try:  # killed after the new leaderboard.csv, before leaderboard.json is written
+        assert (out / "leaderboard.csv").is_file()
+        proc.kill()
+        proc.wait(30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -9
+    for name in ("headline.txt", "leaderboard.json", "report.html"):
+        assert not (out / name).exists(), name  # no old file beside the new csv
+    assert not list(out.glob(".*tmp*")) and not list(out.glob("*.tmp"))
+    proc = ddpflow("sweep", "collect", "--config", path, check=True)
+    assert all((out / n).is_file() for n in LEADERBOARD)
+    board = json.loads((out / "leaderboard.json").read_text())
+    assert board["trials"] != first["trials"]
+    assert (out / "headline.txt").read_text() == proc.stdout
+
+
+def test_two_prepares_of_one_folder_at_once_one_builds_the_other_names_it(tmp_path):
+    cfg = tiny_config(tmp_path, data={"train_size": 64, "val_size": 16, "test_size": 16,
+                                      "prepared_dir": str(tmp_path / "prep dir")})
+    path = write_config(tmp_path, cfg)
+    first = _paused("ddpflow.data.prepare", "_build", "*", "prepare", "--config", path)
+    try:  # the first holds the folder's lock, in the middle of its build
+        second = ddpflow("prepare", "--config", path)
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+        assert f"pid {first.pid}" in second.stderr and "prep dir" in second.stderr
+        assert not (tmp_path / "prep dir" / "meta.json").exists()
+        stdout, stderr = first.communicate("go\n", timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and "prepared synthetic" in stdout, stderr
+    meta = json.loads((tmp_path / "prep dir" / "meta.json").read_text())
+    assert meta["counts"]["train"]["total"] == 64
+    # complete: the same command finds it up to date, every array checked
+    again = ddpflow("prepare", "--config", path, "--verify", check=True)
+    assert "is up to date" in again.stdout, again.stdout
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("prep dir") and n != "prep dir"
+                and not n.endswith(".lock")]
