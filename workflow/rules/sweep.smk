@@ -161,5 +161,11 @@ if SWEEP:
         # from whatever finished; every word quoted, and format_literal because shell()
         # formats its text with this file's variables
         logs = f"{LOGS}/trials"
-        words = ["ddpflow", "sweep", "collect", f"--config={WCFG}", f"--logs={logs}"]
+        words = [
+            "ddpflow",
+            "sweep",
+            "collect",
+            f"--config={WCFG}",
+            f"--logs={logs}",
+        ]
         shell(format_literal(shell_line(words)) + " || true")
