@@ -18,6 +18,7 @@ import yaml
 
 from ddpflow.config import endpoints
 from ddpflow.config.messages import message
+from ddpflow.config.stagechecks import check_stage_recipe, check_stages
 from ddpflow.config.types import (
     PACKAGE_ROOT,
     Augment,
@@ -38,7 +39,7 @@ from ddpflow.config.types import (
     TuneCfg,
 )
 from ddpflow.config.yamlfile import read_yaml
-from ddpflow.core.errors import UserError
+from ddpflow.core.errors import UserError, short
 
 SCHEMA_PATH = PACKAGE_ROOT / "schema" / "config.schema.yaml"
 
@@ -143,20 +144,12 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
     if errors:
         lines = [message(e) for e in errors]
         raise UserError("invalid config: " + "; ".join(dict.fromkeys(lines)))
-    names = [s["name"] for s in d["stages"]]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise UserError(f"invalid config: stage names must be unique, repeated: {', '.join(dupes)}")
-    if d["profile"]["stage"] is not None and d["profile"]["stage"] not in names:
-        raise UserError(f"invalid config: profile.stage '{d['profile']['stage']}' is not a "
-                        f"stage; stages are: {', '.join(names)}")
-    if d["stages"][0].get("init_from") == "previous":
-        raise UserError("invalid config: stages.0.init_from: the first stage has no previous "
-                        "stage; use null or a path to weights")
+    check_stages(d)  # unique names (also in case), profile.stage, init_from
     _check_sources(d)
     _check_images(d["data"])
     _check_endpoints(d)
     _check_recipe(d)
+    check_stage_recipe(d)  # progressive_resize, warmup_epochs
     _check_deterministic(d)
     return d
 
@@ -244,20 +237,29 @@ def _check_endpoints(d: dict[str, Any]) -> None:
     uri = d["tracking"]["mlflow"]["uri"]
     if uri is not None and (problem := endpoints.mlflow_uri_problem(uri)):
         raise UserError(f"invalid config: tracking.mlflow.uri '{uri}' {problem}")
+    for key in ("image", "base_image"):
+        ref = d["container"][key]
+        if ref is not None and (problem := endpoints.image_ref_problem(ref)):
+            raise UserError(f"invalid config: container.{key} {short(ref)} {problem}")
     uri = d["container"]["uri"]
     if uri is not None and (problem := endpoints.container_uri_problem(uri)):
-        raise UserError(f"invalid config: container.uri '{uri}' {problem}")
+        raise UserError(f"invalid config: container.uri {short(uri)} {problem}")
     if uri is not None and d["container"]["engine"] in ("docker", "podman"):
         raise UserError(f"invalid config: container.uri is for engine none (Snakemake runs "
                         f"the rules in it: --sdm apptainer) or apptainer (the .sif is built "
                         f"from it); engine {d['container']['engine']} builds from the "
                         f"Dockerfile: drop the uri or change the engine")
     s = d["slurm"]
+    if (problem := endpoints.slurm_problem(s)):
+        raise UserError(f"invalid config: slurm.{problem[0]} {problem[1]}")
     if s["gres"] is not None:
         n = endpoints.gres_gpus(s["gres"])
         if n is None:
-            raise UserError(f"invalid config: slurm.gres '{s['gres']}' is not gpu:N or "
+            raise UserError(f"invalid config: slurm.gres {short(s['gres'])} is not gpu:N or "
                             f"gpu:type:N (e.g. gpu:4 or gpu:a100:4)")
+        if n == 0:
+            raise UserError(f"invalid config: slurm.gres '{s['gres']}' asks for no GPU; "
+                            f"drop slurm.gres and set slurm.gpus: 0 for a CPU-only job")
         if s["gpu_model"]:
             raise UserError("invalid config: slurm.gres and slurm.gpu_model both name the "
                             "GPUs; put the model in gres (gpu:type:N) and drop gpu_model")
@@ -268,6 +270,9 @@ def _check_endpoints(d: dict[str, Any]) -> None:
         s["gpus"] = n
     elif s["gpus"] is None:
         s["gpus"] = 1
+    if s["gpus"] == 0 and s["gpu_model"]:
+        raise UserError(f"invalid config: slurm.gpu_model '{s['gpu_model']}' names a GPU but "
+                        f"slurm.gpus is 0 (a CPU-only job); drop gpu_model or set gpus")
 
 
 def _check_sources(d: dict[str, Any]) -> None:

@@ -23,8 +23,16 @@ from ddpflow.core.quoting import write_csv
 from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import imagefolder, prepared
 from ddpflow.data.prepare import check_settings
+from ddpflow.data.splits import SPLIT_LIKE
 from ddpflow.engine import distributed
-from ddpflow.inference.common import decode, preprocess, scores, stage_model, warn_if_stale
+from ddpflow.inference.common import (
+    decode,
+    preprocess,
+    scores,
+    stage_model,
+    stage_weights,
+    warn_if_stale,
+)
 from ddpflow.results import plots
 from ddpflow.seams.models import input_channels
 
@@ -53,6 +61,14 @@ def launch(cfg: Config, stage: str | None, split: str, images: str | None, weigh
     if images is not None:  # missing, or a file: said which
         reading.existing(images, "--images", "give a labelled folder DIR/<class>/<image> "
                          "(class names as in training)", folder=True)
+        _labelled_folder(images, meta["classes"])  # its classes, before any folder is made
+    elif meta["counts"][split]["total"] == 0 and not allow_empty:
+        other = "val" if split == "test" else "test"
+        raise UserError(f"--split {split}: the prepared data has no {split} split "
+                        f"(data.{split}_fraction 0, or a data.factory without one); "
+                        f"evaluate --split {other}, --images a labelled folder, or add "
+                        f"--allow-empty to record an empty result")
+    stage_weights(cfg, stage, weights)  # there and readable (and an EMA for --weights ema)
     warn_if_stale(cfg, stage)
     folder = Path(out) if out else out_dir(cfg, stage, None if images else split, weights)
     with writing.output_lock(folder, WHAT):  # a second at once is told who holds it
@@ -73,11 +89,7 @@ def _run(cfg: Config, stage: str, split: str, images: str | None, weights: str, 
     from ddpflow.launch.launcher import RANK_ERROR, RANK_ERROR_SCHEMA, plan
     from ddpflow.launch.procs import run_torchrun
     from ddpflow.launch.slurmnodes import missing_nodes_text, roll_call_dir
-    if images is None and meta["counts"][split]["total"] == 0:
-        if not allow_empty:
-            raise UserError(f"the prepared data has no {split} split (data.test_fraction 0, "
-                            f"or a data.factory without one); evaluate --split val, or "
-                            f"--images a labelled folder")
+    if images is None and meta["counts"][split]["total"] == 0:  # --allow-empty (launch)
         write_json_atomic(folder / "metrics.json", {"stage": stage, "split": split,
                                                     "samples": 0, "note": f"no {split} split"})
         print(f"ddpflow: no {split} split to evaluate; wrote {folder / 'metrics.json'}")
@@ -179,11 +191,21 @@ def _labelled_folder(root: str, classes: list[str]) -> tuple[list[str], np.ndarr
     """Files and labels (the model's class numbers) of a root/<class>/<image> folder."""
     found, items = imagefolder.scan(Path(root))
     unknown = [c for c in found if c not in classes]
+    splits = [c for c in unknown if c.lower() in SPLIT_LIKE]
+    if splits:  # DIR/<split>/<class>/<image>: the split folders, not classes
+        raise UserError(f"--images {root} holds split folders ({', '.join(splits)}), not "
+                        f"class folders: give one split's folder, e.g. --images "
+                        f"{Path(root) / _test_first(splits)}")
     if unknown:
-        raise UserError(f"{root} has class folder(s) the model does not know: "
-                        f"{', '.join(unknown[:5])}; its classes are {', '.join(classes[:20])}")
+        raise UserError(f"--images {root} has class folder(s) the model does not know: "
+                        f"{', '.join(unknown[:5])}; its classes are {', '.join(classes[:20])}: "
+                        f"give a folder of those classes")
     return ([f for f, _ in items],
             np.array([classes.index(found[label]) for _, label in items], dtype=np.int64))
+
+
+def _test_first(splits: list[str]) -> str:
+    return next((c for c in splits if SPLIT_LIKE[c.lower()] == "test"), splits[0])
 
 
 def _write(cfg: Config, meta: dict, gathered: list, out: Path, head: dict) -> None:

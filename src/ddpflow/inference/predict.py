@@ -24,6 +24,7 @@ from ddpflow.inference.common import decode, image_files, preprocess
 from ddpflow.inference.export import CLASSIFIER_SCHEMA, MANIFEST_SCHEMA
 
 BATCH = 64  # images per forward
+DEFAULT_TOP_K = 5  # --top-k not given: 5 classes per image, or all when fewer
 
 
 def load_bundle(folder: str | Path) -> dict:
@@ -83,19 +84,20 @@ def _runner(spec: dict, folder: Path, fmt: str, device: torch.device):
     return lambda x: torch.from_numpy(session.run(None, {"input": x.cpu().numpy()})[0])
 
 
-def predict(bundle: str, inputs: list[str], out: str, top_k: int = 5, fmt: str = "auto",
+def predict(bundle: str, inputs: list[str], out: str, top_k: int | None = None, fmt: str = "auto",
             device: str = "auto") -> int:
     folder = Path(bundle)
+    _check_args(top_k, device, Path(out))
     writing.claim_file(Path(out), WHAT, is_predictions)  # before the work, and again at the end
     spec = load_bundle(folder)
-    if device not in ("auto", "cpu", "cuda") or (device == "cuda" and
-                                                 not torch.cuda.is_available()):
-        raise UserError(f"--device {device}: use auto, cpu or cuda (cuda needs a visible GPU)")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)
     run = _runner(spec, folder, fmt, dev)
     files = image_files(inputs)
-    k = max(1, min(top_k, spec["num_classes"]))
+    k = min(top_k or DEFAULT_TOP_K, spec["num_classes"])
+    if top_k is not None and k < top_k:  # asked for more than there are: said once
+        print(f"ddpflow: note: --top-k {top_k} is more than the model's "
+              f"{spec['num_classes']} classes; writing {k} per image", file=sys.stderr)
     pre = preprocess(spec["mean"], spec["std"], spec["image_size"], spec["input"]["channels"],
                      dev)
     classes = spec["classes"]
@@ -129,6 +131,23 @@ def predict(bundle: str, inputs: list[str], out: str, top_k: int = 5, fmt: str =
 
 
 WHAT = "the predictions CSV"
+
+
+def _check_args(top_k: int | None, device: str, out: Path) -> None:
+    """The arguments, before the bundle is read or any image decoded: --top-k, --device,
+    and --out's place (a missing parent folder is made when the CSV is written)."""
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k {top_k}: give the number of classes per image to write, "
+                        f"1 or more")
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {device}: use auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible to PyTorch here; use --device "
+                        "cpu (or auto, which takes a GPU when there is one)")
+    parent = next((a for a in out.absolute().parents if a.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UserError(f"--out {out}: {parent} is a file, not a folder; give a CSV path in "
+                        f"a folder")
 
 
 def is_predictions(path: Path) -> bool:

@@ -1,0 +1,88 @@
+"""Checks of the stage list and of each stage's recipe that span several keys (the schema
+checks one key at a time): each mistake is one `invalid config: <key>: ...` message naming
+the key and what to write instead.
+
+A stage's name becomes a folder (results/<run>/stages/<name>/) and a Snakemake wildcard:
+the schema's pattern keeps it to letters, digits, '.', '_' and '-' starting with a letter or
+digit (no '/', '..', spaces or leading '-'); here, two names that differ only in case are
+refused too, since they share one folder on a case-insensitive filesystem (macOS, Windows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpflow.core.errors import UserError
+
+
+def check_stages(d: dict[str, Any]) -> None:
+    """Unique names (also after case-folding), profile.stage and init_from."""
+    names = [s["name"] for s in d["stages"]]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UserError(f"invalid config: stages: stage names must be unique, repeated: "
+                        f"{', '.join(dupes)}; rename one of them")
+    seen: dict[str, str] = {}
+    for n in names:
+        other = seen.setdefault(n.casefold(), n)
+        if other != n:
+            raise UserError(f"invalid config: stages: stage names '{other}' and '{n}' differ "
+                            f"only in case, and would share one folder on a case-insensitive "
+                            f"filesystem (macOS, Windows); rename one of them")
+    if d["profile"]["stage"] is not None and d["profile"]["stage"] not in names:
+        raise UserError(f"invalid config: profile.stage '{d['profile']['stage']}' is not a "
+                        f"stage; stages are: {', '.join(names)}")
+    for i, st in enumerate(d["stages"]):
+        _check_init_from(i, st.get("init_from"), names)
+
+
+def _check_init_from(i: int, init: str | None, names: list[str]) -> None:
+    key = f"invalid config: stages.{i}.init_from"
+    if init == "previous" and i == 0:
+        raise UserError(f"{key}: the first stage has no previous stage; use null or a path "
+                        f"to weights")
+    if isinstance(init, str) and init != "previous" and init.casefold() == "previous":
+        raise UserError(f"{key}: '{init}' is read as a file name; write previous (lower "
+                        f"case) to start from the stage before, or ./{init} for a file")
+    if init not in names:  # null, previous, or a path to a weights file
+        return
+    j = names.index(init)
+    if j == i:
+        why = ("is this very stage, which cannot start from its own result: use previous, "
+               "null or a path to weights")
+    elif j > i:
+        why = (f"runs after this one (stage {j}), so it has no weights yet: move it before "
+               f"this stage, or use previous, null or a path to weights")
+    elif j == i - 1:
+        why = "is the stage just before: write init_from: previous"
+    else:
+        why = (f"is an earlier stage; init_from takes previous or a path to a weights file: "
+               f"give that stage's final.pt, or ./{init} for a file of that name")
+    raise UserError(f"{key}: '{init}' names a stage; stage '{init}' {why}")
+
+
+def check_stage_recipe(d: dict[str, Any]) -> None:
+    """Per stage: progressive resizing ends at data.image_size and grows; warm-up fits
+    in the stage's epochs."""
+    size = d["data"]["image_size"]
+    for i, st in enumerate(d["stages"]):
+        key = f"invalid config: stages.{i}"
+        pr = st["progressive_resize"]
+        if pr:
+            start, end = pr["start_size"], pr["end_size"]
+            if end != size:
+                raise UserError(f"{key}.progressive_resize.end_size: {end} is not "
+                                f"data.image_size {size}; the last epochs train at the size "
+                                f"validation, evaluate and export use: set end_size: {size}")
+            if start > end:
+                raise UserError(f"{key}.progressive_resize.start_size: {start} is larger than "
+                                f"end_size {end}; progressive resizing grows the images: set "
+                                f"start_size <= {end}")
+            if start < end and st["epochs"] < 2:
+                raise UserError(f"{key}.progressive_resize: a stage of 1 epoch trains at "
+                                f"start_size {start} only and never reaches {end}; set "
+                                f"stages.{i}.epochs >= 2, or drop progressive_resize")
+        if st["warmup_epochs"] > st["epochs"]:
+            raise UserError(f"{key}.warmup_epochs: {st['warmup_epochs']} is more than the "
+                            f"stage's {st['epochs']} epoch(s); the learning rate would never "
+                            f"reach lr: set warmup_epochs <= {st['epochs']}")
