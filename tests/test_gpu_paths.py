@@ -545,3 +545,20 @@ def test_the_ema_matches_averaged_model_without_a_sync_per_update(monkeypatch):
         else:  # num_batches_tracked: copied (AveragedModel averaged the integer)
             assert torch.equal(t, model.state_dict()[name])
     assert all(torch.equal(t, resumed.weights()[k]) for k, t in ema.weights().items())
+
+
+def test_a_damaged_checkpoint_sidecar_is_skipped_not_raised(tmp_path):
+    """Rank 0 alone chooses the checkpoint now: whatever it meets in the folder must be a
+    reason to skip a file, never an exception that leaves the other ranks waiting in the
+    broadcast. A sidecar that is not text and a checkpoint that is a folder are skipped."""
+    from ddpflow.engine import checkpoint
+
+    for step in (4, 8, 12):
+        checkpoint.save(tmp_path, step, {"step": step, "resume_key": "k"}, keep_last=5)
+    (tmp_path / "ckpt-000000012.pt.sha256").write_bytes(b"\xff\xfe\x00 not utf-8")
+    (tmp_path / "ckpt-000000008.pt").unlink()
+    (tmp_path / "ckpt-000000008.pt").mkdir()
+    warned = []
+    found = checkpoint.latest_valid(tmp_path, "k", warn=lambda *a, **k: warned.append(a[0]))
+    assert found is not None and found[1]["step"] == 4
+    assert len(warned) == 2 and "ckpt-000000012.pt" in warned[0]

@@ -45,6 +45,7 @@ SLURM_ROWS = [  # (slurm: section, the key named, words of the message)
     ({"partition": "gpu'"}, "slurm.partition", "no spaces, quotes"),
     ({"partition": "gpu;reboot"}, "slurm.partition", "';'"),
     ({"partition": "gpu\nx"}, "slurm.partition", "is not a Slurm partition"),
+    ({"partition": "gpu\n"}, "slurm.partition", "is not a Slurm partition"),  # $ before \n
     ({"account": "proj 1"}, "slurm.account", "is not a Slurm account"),
     ({"account": "$(id)"}, "slurm.account", "is not a Slurm account"),
     ({"gpu_model": "a100;x"}, "slurm.gpu_model", "is not a Slurm gpu model"),
@@ -135,6 +136,7 @@ CONTAINER_ROWS = [  # (container: section, the key named, words of the message)
     ({"image": "ddpflow:la test"}, "container.image", "a tag of letters"),
     ({"image": "ddpflow:$(id)"}, "container.image", "is not an image reference"),
     ({"image": "ddpflow:"}, "container.image", "is not an image reference"),
+    ({"image": "ddpflow:latest\n"}, "container.image", "is not an image reference"),
     ({"image": "ddpflow:" + "x" * 200}, "container.image", "at most 128"),
     ({"base_image": "pytorch/pytorch:2.4 cuda"}, "container.base_image", "not an image"),
     ({"uri": "ddpflow:latest"}, "container.uri", "needs docker:// in front"),
@@ -154,9 +156,9 @@ def test_a_container_value_the_engines_refuse_is_one_message(tmp_path, container
     assert key in text and words in text, text
 
 
-@pytest.mark.parametrize("image", ["ddpflow:latest", "ghcr.io/org/ddpflow:1.0",
+@pytest.mark.parametrize("image", ["ddpflow:latest", "registry.example/org/ddpflow:1.0",
                                    "localhost:5000/a/b:2.4.0-cuda12.1",
-                                   "nvcr.io/nvidia/x:24.05-py3",
+                                   "registry.example:443/vendor/x:24.05-py3",
                                    "ddpflow@sha256:" + "a" * 64])
 def test_image_references_the_engines_take_are_accepted(tmp_path, image):
     cfg = from_dict(tiny_config(tmp_path, container={"image": image, "base_image": image}))

@@ -125,12 +125,13 @@ _HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*(?::[0-
 IMAGE_REF = re.compile(rf"^{_HOST}{_COMPONENT}(?:/{_COMPONENT})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]"
                        rf"{{0,127}})?(?:@sha256:[0-9a-f]{{64}})?$")
 IMAGE_FORM = ("[registry/]name[:tag] with a lowercase name and a tag of letters, digits, "
-              "'_', '.' and '-' (at most 128), e.g. ddpflow:latest or ghcr.io/org/ddpflow:1.0")
+              "'_', '.' and '-' (at most 128), e.g. ddpflow:latest or "
+              "localhost:5000/org/ddpflow:1.0")
 
 
 def image_ref_problem(ref: str) -> str | None:
     """An image name and tag the engines accept, or what is wrong with it."""
-    if len(ref) > 255 or not IMAGE_REF.match(ref):
+    if len(ref) > 255 or not IMAGE_REF.fullmatch(ref):
         return f"is not an image reference: write {IMAGE_FORM}"
     return None
 
@@ -156,7 +157,7 @@ def container_uri_problem(uri: str) -> str | None:
 def gres_gpus(gres: str) -> int | None:
     """GPUs asked for by a gres string, `gpu:2` or `gpu:a100:2` (the forms the Slurm executor
     plugin passes on), or None when it is neither."""
-    m = GRES_GPU.match(gres)
+    m = GRES_GPU.fullmatch(gres)
     return int(m.group(2)) if m else None
 
 
@@ -187,8 +188,8 @@ def slurm_extra_problem(extra: str) -> str | None:
     """slurm.extra: sbatch options as plain words the executor's shell line keeps as they
     are, none that the executor or ddpflow sets from another key."""
     for word in extra.split():
-        if not SLURM_EXTRA_WORD.match(word):
-            bad = sorted({c for c in word if not SLURM_EXTRA_WORD.match(c)})
+        if not SLURM_EXTRA_WORD.fullmatch(word):
+            bad = sorted({c for c in word if not SLURM_EXTRA_WORD.fullmatch(c)})
             shown = ", ".join(repr(c) for c in bad[:5])
             return (f"has {shown} in {short(word, 60)}: the Slurm executor pastes slurm.extra "
                     f"into a shell line unquoted, so ddpflow takes only sbatch options made "
@@ -211,7 +212,7 @@ def slurm_problem(s: dict) -> tuple[str, str] | None:
                                ("account", SLURM_NAME, "proj-123"),
                                ("gpu_model", SLURM_GPU_MODEL, "a100")):
         value = s.get(key)
-        if value is not None and not form.match(value):
+        if value is not None and not form.fullmatch(value):
             return key, (f"{short(value, 60)} is not a Slurm {key.replace('_', ' ')}: use "
                          f"letters, digits, '_', '.' and '-' (e.g. {example}), no spaces, "
                          f"quotes or ';'")

@@ -23,7 +23,10 @@ def verify(path: Path) -> str | None:
     side = Path(str(path) + ".sha256")
     if not side.is_file():
         return "no checksum file (the write did not finish)"
-    recorded = side.read_text().split()  # "<sha256>  <name>"; empty if cut short
-    if not recorded or sha256_of(path) != recorded[0]:
-        return "checksum mismatch (truncated or corrupt)"
+    try:
+        recorded = side.read_text(errors="replace").split()  # "<sha256>  <name>"
+        if not recorded or sha256_of(path) != recorded[0]:  # empty if cut short
+            return "checksum mismatch (truncated or corrupt)"
+    except OSError as e:  # a folder in its place, unreadable: not a checkpoint to trust
+        return f"cannot be read ({e.strerror or type(e).__name__})"
     return None

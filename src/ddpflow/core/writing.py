@@ -168,13 +168,13 @@ def _mb(n: int) -> str:
 
 
 def lock_path(target: str | Path) -> Path:
-    target = Path(target)
+    target = Path(target).absolute()  # `--out .` has no name of its own to put a lock beside
     return target.with_name(f".{target.name}.lock")
 
 
 def output_lock(target: str | Path, what: str):
     """One writer of `target` at a time (a hidden `.<name>.lock` beside it)."""
-    target = Path(target)
+    target = Path(target).absolute()
     with writing(target, what):
         target.parent.mkdir(parents=True, exist_ok=True)
     return exclusive(lock_path(target), f"{what} {target}")
@@ -251,7 +251,11 @@ def build_folder(target: str | Path, build: Callable[[Path], Any], what: str,
     """Run `build(partial_folder) -> result` in a hidden folder beside `target`, mark it as
     ddpflow's and rename it into place; an existing target is replaced only when
     `check_replaceable` allows it. `lock=False`: the caller holds the target's lock."""
-    target = Path(target)
+    target = Path(target).absolute()
+    if Path.cwd().absolute().is_relative_to(target):  # `--out .`: it would be moved away
+        raise UserError(f"cannot write {what} at {target}: it is the folder you are in (or "
+                        f"holds it), which would be replaced; give a new folder, e.g. "
+                        f"--out {target / 'bundle'}")
     check_replaceable(target, what, legacy, other)  # before the lock: a refusal leaves none
     with writing(target, what):
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -277,10 +277,20 @@ def prepare(cfg: Config, force: bool = False, out: Path | None = None,
                   f"({', '.join(changed) or 'checksum mismatch'}); preparing it again",
                   file=sys.stderr)
         meta = prepared.build_into(target, lambda folder: _build(cfg, folder, fp),
-                                   own_place=out is None and not cfg.data.prepared_dir)
+                                   own_place=out is None and _own_place(cfg))
         meta["mtime_ns"] = prepared.file_stats(target, meta)  # times in their final place
         write_json_atomic(target / "meta.json", meta)
         return meta, True
+
+
+def _own_place(cfg: Config) -> bool:
+    """Whether the prepared folder is in a place ddpflow chose itself: <run>/data, or a
+    sweep's shared <run>/sweep/data/<hash> (a trial's results_dir is <run>/trials)."""
+    if not cfg.data.prepared_dir:
+        return True
+    runs = Path(cfg.results_dir)
+    where = Path(cfg.data.prepared_dir)
+    return runs.name == "trials" and where.parent == runs.parent / "sweep" / "data"
 
 
 def _hashes_match(folder: Path, meta: dict[str, Any]) -> bool:

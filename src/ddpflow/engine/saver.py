@@ -69,11 +69,21 @@ def restore(files: StageFiles, d, model, opt, sched, scaler, ema) -> tuple[Path,
     load that very file and check its step: ranks that saw different files (a write landing
     between their listings, a folder not shared between nodes) stop with one message
     instead of training on from different steps."""
-    found = checkpoint.latest_valid(files.ckpt_dir, files.resume_key) if d.is_master else None
-    chosen = distributed.broadcast_object(d, (str(found[0]), found[1]["step"]) if found
-                                          else None)
+    found, failed = None, None
+    if d.is_master:
+        try:  # whatever rank 0 meets, every rank hears of it in the broadcast (no hang)
+            found = checkpoint.latest_valid(files.ckpt_dir, files.resume_key)
+        except Exception as e:  # noqa: BLE001 - told to every rank, below
+            failed = f"{type(e).__name__}: {str(e)[:160]}"
+    chosen = distributed.broadcast_object(
+        d, ("failed", failed) if failed else (str(found[0]), found[1]["step"]) if found
+        else None)
     if chosen is None:
         return None
+    if chosen[0] == "failed":
+        raise UserError(f"cannot choose a checkpoint to resume from in {files.ckpt_dir}: "
+                        f"{chosen[1]}; move the damaged file away (or set "
+                        f"checkpoint.resume: never to start afresh)")
     if not d.is_master:
         found, problem = _load_chosen(Path(chosen[0]), chosen[1], files.resume_key)
     else:

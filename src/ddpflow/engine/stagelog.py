@@ -6,6 +6,7 @@ StageSetup and TrainState, and the live figures), never the Trainer."""
 from __future__ import annotations
 
 import os
+import time
 
 from ddpflow.engine import checkpoint, earlystop
 from ddpflow.engine.runtime import environment, peak_memory_mib
@@ -156,7 +157,8 @@ def write_results(files: StageFiles, setup: StageSetup, s: TrainState, end: Stag
     elif finished:
         summary = stage_summary(
             files, setup, s, wall_block(clock, s, setup.global_batch),
-            test_metrics=end.test_metrics, final_sha=final_sha, train_time_s=end.train_time_s,
+            test_metrics=end.test_metrics, final_sha=final_sha,
+            train_time_s=time.perf_counter() - end.train_t0,  # as summary.json is written
             flops_per_micro=end.flops_per_micro, skipped=end.skipped,
             weight_hashes=end.weight_hashes, rank_hosts=end.rank_hosts)
         if trackers:

@@ -104,7 +104,7 @@ class StageEnd:
     test_metrics: dict  # test_<metric>, {} without a test split
     weight_hashes: list  # every rank's weights' SHA-256 (DDP keeps them equal)
     rank_hosts: list
-    train_time_s: float  # the loop's seconds, all runs
+    train_t0: float  # perf_counter() when training began, earlier runs' seconds included
     flops_per_micro: float | None
     skipped: int  # fp16 steps skipped
     model: dict  # the plain module's state dict

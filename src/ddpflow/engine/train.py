@@ -375,7 +375,7 @@ class Trainer:
         end = StageEnd(
             diverged=self.diverged, halted=self.halted, test_metrics=self.test_metrics,
             weight_hashes=[h for h, _ in pairs], rank_hosts=[host for _, host in pairs],
-            train_time_s=self.state.elapsed_s + time.perf_counter() - self.t_start,
+            train_t0=self.t_start - self.state.elapsed_s,
             flops_per_micro=self.flops_per_micro, skipped=int(self.counters.skipped.item()),
             model=unwrap(self.model).state_dict(), ema=self.ema.weights() if self.ema else None)
         # failed.json, or final.pt and summary.json; the trackers closed

@@ -78,7 +78,11 @@ def launch(cfg: Config, stage: str | None, split: str, images: str | None, weigh
 
 def _is_evaluation(folder: Path) -> bool:
     """An evaluate folder of a version before the `.ddpflow-output` marker: its config.json
-    is a resolved ddpflow config."""
+    is a resolved ddpflow config and it holds an evaluation's results (a run folder has a
+    config.json too, and stages/ beside it: that is not an evaluation to replace)."""
+    if (folder / "stages").exists() or not any(
+            (folder / name).is_file() for name in ("metrics.json", "per_class.csv")):
+        return False
     return reading.read_json_or_none(folder / "config.json", {
         "type": "object", "required": ["run", "stages", "results_dir"]},
         "config.json") is not None
