@@ -10,6 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from torch import nn
 
 from conftest import ddpflow, tiny_config, write_config
@@ -349,3 +352,31 @@ def test_prepare_refuses_items_that_break_the_contract(tmp_path, factory, materi
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-1500:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "results/t/data/meta.json").exists()
+
+
+# --------------------------------------------------------------------------- properties
+
+_DTYPES = st.sampled_from(["uint8", "int64", "float32", "float64", "bool", "int16"])
+_ARRAYS = hnp.arrays(_DTYPES, hnp.array_shapes(min_dims=0, max_dims=4, max_side=5))
+_LEAVES = st.one_of(_ARRAYS, _ARRAYS.map(torch.from_numpy), st.integers(-3, 12),
+                    st.floats(allow_nan=True, allow_infinity=True), st.none(), st.text(max_size=3),
+                    st.booleans())
+_ITEMS = st.one_of(_LEAVES, st.tuples(_LEAVES, _LEAVES), st.tuples(_LEAVES, _LEAVES, _LEAVES),
+                   st.lists(_LEAVES, max_size=3), st.dictionaries(st.text(max_size=2), _LEAVES,
+                                                                  max_size=2))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(item=_ITEMS, channels=st.sampled_from([None, 1, 3]), classes=st.sampled_from([None, 4]),
+       materialize=st.booleans())
+def test_property_any_item_is_accepted_or_one_message(item, channels, classes, materialize):
+    """Whatever a dataset factory's item is, the seam checker accepts it or refuses it with
+    one UserError naming the factory: never another exception type."""
+    from ddpflow.seams import contract
+
+    try:
+        contract.check_item(item, 0, "data.factory mine:make", "train", channels, classes,
+                            materialize=materialize)
+    except UserError as e:
+        assert "data.factory mine:make" in str(e) and "\n" not in str(e)
