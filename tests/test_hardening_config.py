@@ -83,13 +83,15 @@ def test_a_bad_sweep_is_one_message_and_writes_nothing(tmp_path, what, sweep, wo
 @pytest.mark.parametrize("what, sweep, words", [SWEEP_ROWS[0], SWEEP_ROWS[5]],
                          ids=["typo-size grid", "variant and grid"])
 def test_a_bad_sweep_through_the_cli(tmp_path, what, sweep, words):
-    proc = ddpflow("sweep", "plan", "--config", write_config(tmp_path, _cfg(tmp_path, sweep)),
-                   timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    for w in words:
-        assert w in proc.stderr, proc.stderr
-    assert not (tmp_path / "results").exists()
+    # `ddpflow validate` checks the sweep as `sweep plan` does: validated before anything runs
+    for command in (["sweep", "plan"], ["validate"]):
+        proc = ddpflow(*command, "--config", write_config(tmp_path, _cfg(tmp_path, sweep)),
+                       timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        for w in words:
+            assert w in proc.stderr, proc.stderr
+        assert not (tmp_path / "results").exists()
 
 
 def test_a_good_sweep_still_plans(tmp_path):

@@ -287,6 +287,10 @@ def run(argv: list[str] | None = None) -> int:
 def _command(cfg, args) -> int:
     """The commands that take a config, once it is loaded and validated."""
     if args.command == "validate":
+        if cfg.sweep.enabled:  # every trial's config too, as `sweep plan` would (nothing written)
+            from ddpflow.sweeps.plan import plan
+
+            print(f"# sweep of {len(plan(cfg))} trial(s), each valid", file=sys.stderr)
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         print(f"# config hash {cfg.hash}", file=sys.stderr)
         return 0
