@@ -300,3 +300,23 @@ def test_two_prepares_of_one_folder_at_once_one_builds_the_other_names_it(tmp_pa
     assert "is up to date" in again.stdout, again.stdout
     assert not [n for n in os.listdir(tmp_path) if n.startswith("prep dir") and n != "prep dir"
                 and not n.endswith(".lock")]
+
+
+def test_the_leaderboard_says_how_to_export_and_predict_the_best_trial(tmp_path):
+    """The headline names the best trial's own config and `--weights best`: the commands
+    read back word for word, whatever the folder names hold."""
+    import shlex
+
+    from ddpflow.sweeps.leaderboard import headline
+
+    cfg = from_dict(tiny_config(tmp_path / "odd $(x) dir"))
+    conf = str(tmp_path / "odd $(x) dir" / "t" / "trials" / "lr-0.1" / "trial_config.json")
+    best = {"trial": "lr-0.1", "monitor": "val_acc", "best_value": 0.9, "status": "finished",
+            "weights": "best.pt", "config": conf, "best": True}
+    out = tmp_path / "sweep"
+    lines = headline(cfg, [best], best, out).splitlines()
+    export = next(ln for ln in lines if "export it:" in ln).split("export it:", 1)[1]
+    assert shlex.split(export) == ["ddpflow", "export", "--config", conf, "--weights", "best",
+                                   "--out", str(out / "best-lr-0.1")]
+    then = next(ln for ln in lines if "then:" in ln).split("then:", 1)[1]
+    assert shlex.split(then)[:4] == ["ddpflow", "predict", "--bundle", str(out / "best-lr-0.1")]

@@ -104,6 +104,7 @@ def _inference_commands(sub) -> None:
     _config_args(p)
     p.add_argument("--stage", default=None, help="stage (default: the last)")
     p.add_argument("--out", default=None, help="bundle folder (default results/<run>/export)")
+    _weights_arg(p)
 
     p = sub.add_parser("predict", help="an export bundle on image files or folders -> CSV")
     p.add_argument("--bundle", required=True, help="folder written by `ddpflow export`")
@@ -133,14 +134,18 @@ def _rank_commands(sub) -> None:
     p.add_argument("--halt-after-steps", type=int, default=None)
 
 
+def _weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=["final", "best", "ema", "raw"], default="final",
+                   help="final: what the stage hands on (its EMA's when it kept one); best: "
+                        "best.pt; ema: the EMA's; raw: the trained weights beside an EMA")
+
+
 def _evaluate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default=None, help="stage (default: the last)")
     p.add_argument("--split", choices=["test", "val"], default="test")
     p.add_argument("--images", default=None, metavar="DIR",
                    help="a labelled folder DIR/<class>/<image> instead of a split")
-    p.add_argument("--weights", choices=["final", "best", "ema", "raw"], default="final",
-                   help="final: what the stage hands on (its EMA's when it kept one); best: "
-                        "best.pt; ema: the EMA's; raw: the trained weights beside an EMA")
+    _weights_arg(p)
     p.add_argument("--out", default=None,
                    help="folder (default results/<run>/evaluate/<stage>/<split>-<weights>)")
 
@@ -323,7 +328,7 @@ def _command(cfg, args) -> int:
     if args.command == "export":
         from ddpflow.inference.export import export
 
-        return export(cfg, args.stage, args.out)
+        return export(cfg, args.stage, args.out, args.weights)
     if args.command == "launch":
         return _launch(cfg, args)
     from ddpflow.launch.launcher import launch

@@ -75,7 +75,9 @@ CLASSIFIER_SCHEMA = {
         "std": {**_NUMBERS, "items": {"type": "number", "exclusiveMinimum": 0}}}}
 
 
-def export(cfg: Config, stage: str | None = None, out: str | None = None) -> int:
+def export(cfg: Config, stage: str | None = None, out: str | None = None,
+           weights: str = "final") -> int:
+    """The bundle of a stage's `weights` (final, best, ema or raw: as evaluate's --weights)."""
     stage = stage or cfg.stages[-1].name
     meta = prepared.read_meta(cfg.data_dir)
     if meta is None:
@@ -85,7 +87,7 @@ def export(cfg: Config, stage: str | None = None, out: str | None = None) -> int
     target = Path(out) if out else cfg.run_dir / "export"
     legacy = partial(is_bundle, strict=out is not None)
     writing.check_replaceable(target, WHAT, legacy)  # before the work, and again at the end
-    model, record = stage_model(cfg, meta, stage, "final")
+    model, record = stage_model(cfg, meta, stage, weights)
     channels = input_channels(cfg.model.name, meta["image_shape"][2])
     x = _check_batch(cfg, meta, channels)
     with torch.no_grad():
@@ -111,7 +113,8 @@ def export(cfg: Config, stage: str | None = None, out: str | None = None) -> int
         print(f"  {fmt:12s} {FILES[fmt]:18s} {state}"
               + (f" (max |diff| {c['max_abs_diff']:.2e})" if c.get("max_abs_diff") is not None
                  else ""))
-    print(f"ddpflow: exported stage '{stage}' ({record['holds']} weights) -> {target}")
+    print(f"ddpflow: exported stage '{stage}' ({weights}: {record['holds']} weights, step "
+          f"{record['step']}) -> {target}")
     if failed:
         print("ddpflow: error: " + "; ".join(f"{f} was not exported: {e}"
                                              for f, e in failed.items()), file=sys.stderr)

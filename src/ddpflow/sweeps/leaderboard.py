@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ddpflow.config import Config, from_dict
 from ddpflow.core import reading
-from ddpflow.core.quoting import html_text, write_csv
+from ddpflow.core.quoting import html_text, shell_line, write_csv
 from ddpflow.core.writing import output_lock, write_json_atomic, write_text_atomic
 from ddpflow.launch.slots import read_record
 from ddpflow.results.collect import stage_row
@@ -47,7 +47,8 @@ def _reason_from_log(log: Path) -> str | None:
 def trial_row(cfg: Config, entry: dict, logs: Path) -> dict:
     """One trial's row from its stages' summaries (stage_row: freshness included); `cfg`
     is the sweep's, `entry` the trial's row of the validated plan."""
-    cfg = from_dict(reading.read_json(trial_config_path(cfg, entry), {"type": "object"},
+    config_path = trial_config_path(cfg, entry)
+    cfg = from_dict(reading.read_json(config_path, {"type": "object"},
                                       f"trial {entry['id']}'s config", PLAN_FIX))
     rows = [stage_row(cfg, st.name)[0] for st in cfg.stages]
     last = rows[-1]
@@ -73,6 +74,7 @@ def trial_row(cfg: Config, entry: dict, logs: Path) -> dict:
     row["test_value"] = last.get("test_" + m.split("_", 1)[-1]) if m else None
     row["weights"] = last.get("best_checkpoint") or last.get("final_checkpoint")
     row["report"] = str(cfg.run_dir / "summary" / "report.html")
+    row["config"] = str(config_path)  # what export and evaluate of this trial take
     row["status"], row["reason"] = _status(cfg, rows, logs / entry["id"])
     return row
 
@@ -173,6 +175,12 @@ def headline(cfg: Config, rows: list[dict], best: dict | None, out: Path) -> str
     if best:
         lines.append(f"  best {best['trial']}: {best['monitor']} {best['best_value']:.4f} "
                      f"-> {best['weights']}")
+        bundle = out / f"best-{best['trial']}"
+        lines.append("  export it: " + shell_line(
+            ["ddpflow", "export", "--config", best["config"], "--weights", "best", "--out",
+             str(bundle)]))
+        lines.append("  then:      " + shell_line(
+            ["ddpflow", "predict", "--bundle", str(bundle)]) + " IMAGE_OR_FOLDER...")
     lines += [f"  {r['trial']}: {r['status']} ({r['reason']})" for r in rows
               if r["status"] != "finished"]
     return "\n".join(lines) + "\n"
