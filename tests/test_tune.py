@@ -103,7 +103,8 @@ def test_a_capped_rank_never_tries_what_does_not_fit(tmp_path):
 
     from ddpflow.config import load_config
     from ddpflow.data import prepared
-    from ddpflow.engine import distributed, tune
+    from ddpflow.engine import distributed, tune, tunephases
+    from ddpflow.engine.tunepace import Pace
     from ddpflow.seams.models import build_model
 
     cfg = tiny_config(tmp_path, data={"train_size": 4096, "val_size": 256, "test_size": 0},
@@ -133,13 +134,56 @@ def test_a_capped_rank_never_tries_what_does_not_fit(tmp_path):
     meta, arrays = prepared.load(c.data_dir)
     d = distributed.Dist(0, 0, 1, torch.device("cpu"), None)
     base = build_model(c.model, meta["num_classes"], 3)
-    probe = tune._Probe(c, c.stage("s1"), d, meta, *arrays["train"], 3, base, 10**12, 0)
+    probe = tunephases.Probe(c, c.stage("s1"), d, meta, *arrays["train"], 3, base, 10**12, 0,
+                             Pace(d, budget_s=600, climb_by_throughput=False))
     need = {prec: probe.step_bytes(32, prec, False) for prec in ("fp32", "bf16")}
     assert need["fp32"] > need["bf16"]
     probe.budget = int(np.mean(list(need.values())))
-    rows = tune._precisions(probe, 32, {"loader": "dataloader", "num_workers": 0,
+    rows = tunephases._precisions(probe, 32, {"loader": "dataloader", "num_workers": 0,
                                         "prefetch_factor": 2})
     fits = {(r["precision"], r["channels_last"]): r["fits"] for r in rows}
     assert not fits[("fp32", False)] and not fits[("fp32", True)]
     assert fits[("bf16", False)] and fits[("fp16", True)]
     assert all(("samples_per_s" in r) == r["fits"] for r in rows)
+
+
+@pytest.mark.slow
+def test_tune_shows_each_candidate_ends_within_its_budget_and_stops_when_asked(tmp_path):
+    """On a CPU nothing runs out of memory: tune ends by throughput and its time budget
+    (not at max_batch), prints a line per candidate, and SIGTERM or Ctrl-C stop it with
+    143 or 130, the earlier tune.json kept as it was."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    cfg = tiny_config(tmp_path, tune={"budget_s": 15, "max_batch": 4096, "start_batch": 8,
+                                      "steps": 2},
+                      hardware={"nproc_per_node": 1, "threads_per_rank": 2})
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    t0 = time.monotonic()
+    proc = ddpflow("tune", "--config", p, check=True, timeout=300)
+    took = time.monotonic() - t0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[tune")]
+    t = json.loads((tmp_path / "results/t/tune.json").read_text())
+    tried = [b for r in t["batch_search"]["per_rank"] for b, _ in r["own_trials"]]
+    assert max(tried) < 4096  # the climb ended before max_batch: nothing ran out of memory
+    assert any("a step needs" in ln for ln in lines) and "chose" in lines[-1]
+    assert sum("samples/s" in ln for ln in lines) + len(t["skipped"]) >= 5
+    assert t["seconds"] < 15 + 60 and took < 15 + 120  # the budget, the last candidate, start
+    before = (tmp_path / "results/t/tune.json").read_bytes()
+    for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        run = subprocess.Popen([sys.executable, "-m", "ddpflow", "tune", "--config", str(p)],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+        for line in run.stderr:  # the first candidate's line: the ranks are measuring
+            if line.startswith("[tune"):
+                break
+        run.send_signal(sig)
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == code, err
+        assert f"tuning stopped by {sig.name}" in err and "Traceback" not in err, err
+        assert (tmp_path / "results/t/tune.json").read_bytes() == before

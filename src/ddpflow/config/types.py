@@ -127,6 +127,7 @@ class TuneCfg:
     start_batch: int  # per GPU; the search doubles from here
     max_batch: int  # per GPU
     steps: int  # timed steps per measurement
+    budget_s: float  # seconds of measuring at most (then the best measured so far wins)
     compile: bool  # also measure torch.compile (slow to compile)
 
 

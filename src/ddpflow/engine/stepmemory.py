@@ -11,9 +11,12 @@ class SimulatedOOM(RuntimeError):
     """A step that would not fit under `--memory-cap-mb` (a cap injected for tests/sharing)."""
 
 
-def find_max_batch(fits, start: int, limit: int) -> tuple[int, list[tuple[int, bool]]]:
+def find_max_batch(fits, start: int, limit: int,
+                   climb=None) -> tuple[int, list[tuple[int, bool]]]:
     """Largest b in [1, limit] with fits(b), assuming fits is monotone. Doubling from start,
-    then bisection between the last fit and the first miss. Returns (b, trials)."""
+    then bisection between the last fit and the first miss; `climb(b)` False after a fit
+    ends the doubling there (throughput stopped improving, or time is up). Returns
+    (b, trials)."""
     trials: list[tuple[int, bool]] = []
 
     def check(b):
@@ -26,7 +29,7 @@ def find_max_batch(fits, start: int, limit: int) -> tuple[int, list[tuple[int, b
     while hi is None:
         if check(b):
             lo = b
-            if b >= limit:
+            if b >= limit or (climb is not None and not climb(b)):
                 return b, trials
             b = min(2 * b, limit)
         else:

@@ -24,32 +24,25 @@ precision: auto and data.loader: auto use it.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from ddpflow.config import Config, StageCfg
 from ddpflow.core import reading
 from ddpflow.core.errors import UserError
 from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import prepared
-from ddpflow.data.crops import center_crop
-from ddpflow.data.loaders import Normalize, TrainBatches, choose_loader, forever
+from ddpflow.data.loaders import choose_loader
 from ddpflow.data.prepare import settings_fingerprint
 from ddpflow.engine import distributed
-from ddpflow.engine.runtime import build_optimizer, pick_precision
+from ddpflow.engine.runtime import pick_precision
 from ddpflow.engine.stepmemory import (
-    SimulatedOOM,
-    find_max_batch,
-    input_bytes,
-    is_oom,
     memory_budget,
-    step_memory,
 )
+from ddpflow.engine.tunepace import Pace, TuneStopped
+from ddpflow.engine.tunephases import Probe, all_min, choose, search_batch
 from ddpflow.seams.contract import probe
 from ddpflow.seams.models import build_model, input_channels
 
@@ -145,141 +138,8 @@ def stage_settings(cfg: Config, st: StageCfg, device, say) -> StageSettings:
     return out
 
 
-def _all_min(d, value: int) -> int:
-    if not d.backend:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
-def _throughput(model, batches, steps, amp_dtype, device, opt) -> tuple[float, float]:
-    """(samples/s, data-wait share) over `steps` DDP training steps after 2 warm-up steps;
-    fp16 with its GradScaler, as training runs it."""
-    it = batches
-    crit = nn.CrossEntropyLoss()
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    wait = 0.0
-    n = 0
-    for i in range(steps + 2):
-        if i == 2:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0, wait, n = time.perf_counter(), 0.0, 0
-        tw = time.perf_counter()
-        x, y = next(it)
-        wait += time.perf_counter() - tw
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = crit(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        n += len(y)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # sync point: the timed steps have really run
-    dt = time.perf_counter() - t0
-    return n / dt, wait / dt
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-
-
-@dataclasses.dataclass
-class _Probe:
-    """What every measurement of one `ddpflow tune` rank shares."""
-    cfg: Config
-    st: StageCfg
-    d: distributed.Dist
-    meta: dict
-    images: object  # the prepared training split (memmap)
-    labels: object
-    in_ch: int
-    base: nn.Module  # the plain model of the memory trials
-    budget: int  # bytes one training step may take on this rank
-    extra: int  # bytes per step besides the plain model's (DDP's gradient buckets)
-
-    @property
-    def layout(self) -> bool:
-        """channels_last for the batch and loader phases (auto: as a GPU would train)."""
-        cl = self.st.channels_last
-        return cl if isinstance(cl, bool) else self.d.device.type == "cuda"
-
-    def step_bytes(self, b: int, precision: str, channels_last: bool) -> int | None:
-        """What one step of batch b needs on the plain model at this precision and layout
-        (its input pipeline included), or None where it does not fit in the budget."""
-        d = self.d
-        idx = torch.randint(0, len(self.labels), (b,)).numpy()
-        try:
-            norm = Normalize(self.meta["mean"], self.meta["std"], d.device, self.in_ch,
-                             channels_last)
-            # the training crop's size: memory is measured at what the model sees
-            x = center_crop(norm(torch.from_numpy(self.images[idx]).to(d.device)),
-                            self.cfg.data.image_size)
-            y = torch.from_numpy(self.labels[idx]).to(d.device)
-            model = self.base.to(memory_format=torch.channels_last if channels_last
-                                 else torch.contiguous_format)
-            need = (step_memory(model, x, y, DTYPES[precision], d.device) + self.extra
-                    + input_bytes(b, self.meta["image_shape"], self.in_ch,
-                                  self.cfg.data.image_size))
-            if need > self.budget:
-                raise SimulatedOOM(f"{need} > {self.budget} bytes")
-            return need
-        except Exception as e:  # noqa: BLE001 - only allocation failures are answers
-            if not is_oom(e):
-                raise
-            return None
-        finally:
-            if d.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    def fits_everywhere(self, need: int | None) -> bool:
-        return bool(_all_min(self.d, int(need is not None)))  # every rank must fit
-
-    def measure(self, batch, loader, workers, prefetch, prec, channels_last, compile_):
-        """Throughput of real DDP training steps with these settings (every rank)."""
-        cfg, d, meta = self.cfg, self.d, self.meta
-        model = build_model(cfg.model, meta["num_classes"], self.in_ch).to(d.device)
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        model = distributed.wrap_ddp(model, d)  # as the trainer wraps it
-        run_model = torch.compile(model) if compile_ else model
-        opt = build_optimizer(model, self.st, 1e-3, d.device)  # the trainer's optimizer
-        norm = Normalize(meta["mean"], meta["std"], d.device, self.in_ch, channels_last)
-        tb = TrainBatches(loader, self.images, self.labels, batch, d.device, d.world, d.rank,
-                          cfg.seed, cfg.data.augment, norm, workers, cfg.data.pin_memory,
-                          workers > 0, prefetch, image_size=cfg.data.image_size)
-        sps, wait = _throughput(run_model, forever(tb.epoch), cfg.tune.steps, DTYPES[prec],
-                                d.device, opt)
-        return {"samples_per_s": sps * d.world, "data_wait_fraction": wait}
-
-
-def _search_batch(p: _Probe, precision: str) -> dict:
-    """Phase 1: the largest batch every rank fits, then the fastest candidate up to it."""
-    memory: dict[int, int | None] = {}  # this rank's measured bytes per batch (None = OOM)
-    own: list[tuple[int, bool]] = []  # this rank's own verdicts, before the ranks agree
-
-    def fits(b: int) -> bool:
-        memory[b] = p.step_bytes(b, precision, p.layout)
-        own.append((b, memory[b] is not None))
-        return p.fits_everywhere(memory[b])
-
-    d, tc = p.d, p.cfg.tune
-    # never a batch larger than a rank's share of the data: such an epoch has no batches
-    limit = min(tc.max_batch, len(p.labels) // d.world)
-    if limit < 1:
-        raise UserError(f"the training split ({len(p.labels)} samples) is smaller than the "
-                        f"{d.world} rank(s) that would share it")
-    own_max, trials = find_max_batch(fits, min(tc.start_batch, limit), limit)
-    agreed = _all_min(d, own_max)
-    if agreed < 1:
-        raise UserError("not even a batch of 1 fits in device memory; choose a smaller "
-                        "model or image size")
-    return {"agreed": agreed, "own_max": own_max, "trials": trials, "own": own,
-            "memory": memory}
-
-
-def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict:
+def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict | None:
+    """One rank's tuning; the result (also in tune.json), or None when stopped."""
     st: StageCfg = cfg.stage(stage_name)
     tc = cfg.tune
     d = distributed.setup(cfg.hardware)
@@ -297,40 +157,22 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     nbytes = sum(a.nbytes for split in ("train", "val") for a in arrays[split])
     kind, loader_reason = choose_loader(cfg.data.loader, nbytes, d.device,
                                         cfg.data.device_memory_fraction, free=free)
-    device_ok = bool(_all_min(d, int(kind == "device")))
+    device_ok = bool(all_min(d, int(kind == "device")))
     budget = int((free - (nbytes if device_ok else 0)) * (1 - tc.memory_margin))
     # DDP keeps a second copy of the gradients in its buckets
     ddp_extra = sum(q.numel() * q.element_size() for q in base.parameters()) if d.backend else 0
-    p = _Probe(cfg, st, d, meta, images, labels, in_ch, base, budget, ddp_extra)
+    # on a CPU without a cap nothing runs out of memory: throughput ends the climb instead
+    pace = Pace(d, tc.budget_s, climb_by_throughput=d.device.type == "cpu" and not cap_mb)
+    p = Probe(cfg, st, d, meta, images, labels, in_ch, base, budget, ddp_extra, pace)
 
-    search = _search_batch(p, precision)
-    agreed = search["agreed"]
-    candidates = sorted({b for b in (2 ** k for k in range(20)) if agreed // 8 <= b <= agreed}
-                        | {agreed})
-    default_loader = "device" if device_ok else "dataloader"
-    batch_rows = [{"batch_size": b, **p.measure(b, default_loader, cfg.data.num_workers,
-                                                cfg.data.prefetch_factor, precision,
-                                                p.layout, False)} for b in candidates]
-    # rank 0's choice for every rank: each measured its own throughput
-    batch = distributed.broadcast_object(
-        d, max(batch_rows, key=lambda r: r["samples_per_s"])["batch_size"])
-
-    cores = max(1, len(os.sched_getaffinity(0)) // d.world)
-    loader_opts = ([("device", 0, 2)] if device_ok else []) + [
-        ("dataloader", w, f) for w in sorted({0, 2, cores}) for f in ((2, 4) if w else (2,))]
-    loader_rows = [{"loader": k, "num_workers": w, "prefetch_factor": f,
-                    **p.measure(batch, k, w, f, precision, p.layout, False)}
-                   for k, w, f in loader_opts]
-    best_loader = distributed.broadcast_object(
-        d, max(loader_rows, key=lambda r: r["samples_per_s"]))
-    prec_rows = _precisions(p, batch, best_loader)
-    best_prec = distributed.broadcast_object(
-        d, max((r for r in prec_rows if r["fits"]), key=lambda r: r["samples_per_s"]))
-    choice = {"batch_size": batch, "loader": best_loader["loader"],
-              "num_workers": best_loader["num_workers"],
-              "prefetch_factor": best_loader["prefetch_factor"],
-              "precision": best_prec["precision"], "channels_last": best_prec["channels_last"],
-              "compile": best_prec["compile"]}
+    try:
+        search = search_batch(p, precision)
+        agreed = search["agreed"]
+        choice, batch_rows, loader_rows, prec_rows = choose(p, agreed, precision, device_ok)
+    except TuneStopped as e:  # every rank at the same candidate: nothing is written
+        pace.say(f"{e} received: stopping; tune.json is not written")
+        distributed.teardown(d)
+        return None
     gathered = distributed.gather_objects(d, {"rank": d.rank, "max_batch": search["own_max"],
                                               "trials": search["trials"],
                                               "own_trials": search["own"],
@@ -345,6 +187,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         "batch_search": {"per_rank": gathered, "agreed_max_batch": agreed,
                          "candidates": batch_rows},
         "loader": loader_rows, "precision": prec_rows, "choice": choice,
+        "skipped": pace.skipped, "seconds": round(time.monotonic() - pace.t0, 1),
         "config_hash": cfg.hash, "settings": tune_settings(cfg, st),
     }
     # rank 0's measurements in the file, so that every rank records the same answer
@@ -355,24 +198,3 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     return result
 
 
-def _precisions(p: _Probe, batch: int, loader: dict) -> list[dict]:
-    """Phase 3: each precision x layout (x compile) at the chosen batch; its memory is
-    checked on the plain model first, and one that does not fit on every rank is recorded
-    and never run under DDP (an OOM there kills the rank, and torchrun restarts it into
-    the same OOM)."""
-    precisions = ["fp32", "bf16", "fp16"]
-    if p.d.device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        precisions.remove("bf16")
-    rows = []
-    for prec in precisions:
-        for cl in (False, True):
-            need = p.step_bytes(batch, prec, cl)
-            fits = p.fits_everywhere(need)
-            for comp in ((False, True) if p.cfg.tune.compile else (False,)):
-                row = {"precision": prec, "channels_last": cl, "compile": comp, "fits": fits,
-                       "memory_bytes": need}
-                if fits:
-                    row.update(p.measure(batch, loader["loader"], loader["num_workers"],
-                                         loader["prefetch_factor"], prec, cl, comp))
-                rows.append(row)
-    return rows

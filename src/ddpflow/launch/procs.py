@@ -176,7 +176,10 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
             except ProcessLookupError:
                 pass
         told.update(ranks)
-        if not ranks:  # no rank yet, nothing to save: torchrun stops what it started
+        # no rank yet, nothing to save: torchrun stops what it started. (Ranks told already
+        # and gone have stopped: torchrun is ending by itself, a SIGTERM now would only
+        # interrupt its shutdown with a traceback.)
+        if not ranks and not told:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:

@@ -39,11 +39,16 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
         (out / RANK_ERROR).unlink(missing_ok=True)
         remove_scratch(roll_call_dir(resolved))
         write_json_atomic(resolved, cfg.to_dict())
-        rc, _ = run_torchrun(cmd, env, watch=out / RANK_ERROR)
+        rc, stop = run_torchrun(cmd, env, watch=out / RANK_ERROR)
         rank_error = _read_json(out / RANK_ERROR)
         if rank_error:
             raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
     result = cfg.run_dir / "tune.json"
+    if stop:  # the ranks stopped at the same candidate and wrote nothing
+        kept = f"the earlier {result} is kept" if result.is_file() else "no tune.json written"
+        print(f"ddpflow: tuning stopped by {stop}; {kept}: run `ddpflow tune` again to "
+              f"measure", file=sys.stderr)
+        return 130 if stop == "SIGINT" else 143
     if rc != 0 or not result.is_file():
         why = (rc and missing_nodes_text(cfg, out)) or f"torchrun exited with {rc}"
         print(f"ddpflow: error: tuning failed ({why})", file=sys.stderr)
