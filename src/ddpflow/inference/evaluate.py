@@ -117,7 +117,9 @@ def _run(cfg: Config, stage: str, split: str, images: str | None, weights: str, 
         return rc or 1
     m = reading.read_json(folder / "metrics.json", EVAL_SCHEMA, "evaluation result",
                           "run `ddpflow evaluate` again")
-    print(f"ddpflow: {stage} ({m['weights']['weights']} weights) on {m['split']}: "
+    w = m["weights"]  # which file, and whose weights it holds (final.pt holds the EMA's)
+    print(f"ddpflow: {stage} {Path(w.get('file', '')).name or w['weights']} ({w['holds']} "
+          f"weights, fp32) on {m['split']}: "
           f"acc {m['acc']:.4f}, top5 {m['top5']:.4f}, loss {m['loss']:.4f} over "
           f"{m['samples']} images -> {folder}")
     return 0

@@ -256,7 +256,11 @@ def headline(cfg: Config, rows: list[dict], evaluation: dict | None = None) -> s
             what = "STALE" if r.get("stale") else "NOT FINISHED"
             lines.append(f"  {r['stage']:12s} {what} ({r['note']})")
     if evaluation and evaluation.get("samples"):
+        # the same weights as the stage's test_acc when it trained in fp32; in bf16 or fp16
+        # the stage's own figure differs in the 4th digit: say which is which
+        w = evaluation["weights"]
         lines.append(f"  test split   acc {evaluation['acc']:.4f}, top-5 {evaluation['top5']:.4f}"
-                     f" on {evaluation['samples']} held-out images ({evaluation['stage']}, "
-                     f"{evaluation['weights']['holds']} weights)")
+                     f" on {evaluation['samples']} held-out images: `ddpflow evaluate` of "
+                     f"{evaluation['stage']}'s {Path(w.get('file') or 'final.pt').name} "
+                     f"({w['holds']} weights) in fp32")
     return "\n".join(lines) + "\n"
