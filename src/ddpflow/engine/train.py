@@ -47,7 +47,7 @@ from ddpflow.engine.validation import Validator, best_after
 from ddpflow.results.metrics import MetricsLog
 from ddpflow.results.provenance import make_record
 from ddpflow.results.wallclock import WallClock, process_start
-from ddpflow.seams.models import param_count, unwrap
+from ddpflow.seams.models import count_text, param_count, unwrap
 from ddpflow.seams.userimport import add_code_dirs
 from ddpflow.tracking.profiling import open_profiler
 from ddpflow.tracking.trackers import open_trackers
@@ -141,7 +141,7 @@ class Trainer:
     def run(self) -> int:
         self.setup()
         s, d = self.state, self.d
-        self.say(f"{self.cfg.model.name} ({param_count(self.model) / 1e6:.2f} M params) on "
+        self.say(f"{self.cfg.model.name} ({count_text(param_count(self.model))} params) on "
                  f"{d.world} x {d.device.type}, {self.precision}, global batch "
                  f"{self.global_batch} ({self.batch_size}/rank x {d.world} x {self.accum} "
                  f"accum), lr {self.lr:g}, {self.total_steps} steps")

@@ -128,6 +128,14 @@ def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def count_text(n: int) -> str:
+    """A count as people say it: 812, 3.8 k, 11.2 M, 1.3 G (a 3.8 k model is not "0.00 M")."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return str(n)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside DDP / DataParallel / torch.compile wrappers."""
     while True:
