@@ -161,6 +161,7 @@ def test_user_model_fine_tunes_from_weights_with_a_frozen_backbone(tmp_path):
     pre = netlib.build(num_classes=4, in_channels=3)
     torch.save(pre.state_dict(), tmp_path / "pre.pt")
     sys.path.remove(str(code))
+    sys.modules.pop("netlib")  # this worker process runs other test files after this one
     cfg = tiny_config(tmp_path, model={"name": "netlib:build", "code_dir": str(code),
                                        "kwargs": {"width": 8},
                                        "weights": str(tmp_path / "pre.pt")},

@@ -320,16 +320,14 @@ def test_launch_refuses_weights_that_mostly_do_not_fit(tmp_path):
     code = tmp_path / "code"
     code.mkdir()
     (code / "netlib.py").write_text(NETLIB)
-    import sys
+    import importlib.util
 
-    sys.path.insert(0, str(code))
-    try:
-        import netlib
-
-        torch.save(netlib.build(4, 3, width=16).state_dict(), tmp_path / "pre.pt")
-    finally:
-        sys.path.remove(str(code))
-        sys.modules.pop("netlib", None)
+    # loaded from this very file: another test file's `netlib` may sit in sys.modules of this
+    # worker process (pytest-xdist runs several files in one)
+    spec = importlib.util.spec_from_file_location("netlib_of_this_test", code / "netlib.py")
+    netlib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(netlib)
+    torch.save(netlib.build(4, 3, width=16).state_dict(), tmp_path / "pre.pt")
     cfg = tiny_config(tmp_path, data={"train_size": 64, "val_size": 32, "test_size": 32},
                       model={"name": "netlib:build", "code_dir": str(code),
                              "weights": str(tmp_path / "pre.pt")},

@@ -53,7 +53,7 @@ def test_wall_split_adds_up_and_epoch_cadence(tmp_path):
 
 PROBE = r'''
 import sys
-from ddpflow import lazydynamo
+from ddpflow.core import lazydynamo
 assert lazydynamo.defer()
 import torch
 from torch import nn
