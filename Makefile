@@ -14,7 +14,7 @@ CORES ?= all
 # longest files start first (tests/conftest.py)
 TEST_JOBS ?= 2
 
-.PHONY: run test install lint test-env bench clean
+.PHONY: run test install lint test-env bench mutate clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -48,6 +48,12 @@ bench: $(STAMP)
 	$(PY) bench/user_dataset.py
 	$(PY) bench/trainer_vs_reference.py
 	$(PY) bench/vs_lightning.py
+
+# mutation testing of the functions that decide results (bench/mutate.py; minutes, not part
+# of `make test`): each mutant against the fast tests that claim it; bench/mutate.json;
+# MUTATE="splits seeds" for some targets only
+mutate: $(STAMP)
+	$(PY) bench/mutate.py $(MUTATE)
 
 clean:
 	rm -rf results logs .snakemake

@@ -40,6 +40,56 @@ def test_export_check_compares_logit_values_not_only_the_top_class(tmp_path, mon
     assert c["ok"] and c["tolerance"] == pytest.approx(export.RTOL * big.abs().max().item())
 
 
+def test_export_check_fails_on_a_changed_top_class_passes_at_the_tolerance_and_reports_errors(
+        tmp_path, monkeypatch):
+    import errno
+
+    from ddpflow.inference import export
+
+    x = torch.zeros(2, 3, 1, 1)
+    path = tmp_path / "model.ts"
+
+    def writer(out):
+        return lambda m, x, path: out
+
+    # a change far inside the tolerance that moves row 0's top class: not the same model
+    ref = torch.tensor([[0.0, 1e-6], [5.0, 0.0]])
+    monkeypatch.setitem(export.WRITERS, "torchscript", writer(torch.tensor([[1e-6, 0.0],
+                                                                            [5.0, 0.0]])))
+    c = export._write_format("torchscript", None, x, ref, path)
+    assert c["checked"] is True and not c["same_top1"] and c["ok"] is False, c
+    # a difference of exactly the tolerance passes (<=)
+    monkeypatch.setattr(export, "RTOL", 0.5)
+    ref = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    monkeypatch.setitem(export.WRITERS, "torchscript", writer(ref + torch.tensor([[0.5, 0.0],
+                                                                                  [0.0, 0.0]])))
+    c = export._write_format("torchscript", None, x, ref, path)
+    assert c["ok"] is True and c["max_abs_diff"] == c["tolerance"] == 0.5 and c["error"] is None
+    # written but nothing here runs it (onnx without onnxruntime): ok, marked not checked
+    monkeypatch.setitem(export.WRITERS, "onnx", lambda m, x, path: None)
+    assert export._write_format("onnx", None, x, ref, path)["checked"] is False
+    assert export._write_format("onnx", None, x, ref, path)["ok"] is True
+
+    def fails(m, x, path, err=None, write=True):
+        if write:
+            path.write_bytes(b"half")
+        raise err or ValueError("no tracer for this\nsecond line")
+
+    # the exporter fails: reported for that format, its half-written file removed
+    monkeypatch.setitem(export.WRITERS, "torchscript", fails)
+    assert export._write_format("torchscript", None, x, ref, path) == {
+        "ok": False, "error": "ValueError: no tracer for this"}
+    assert not path.exists()
+    monkeypatch.setitem(export.WRITERS, "torchscript", lambda m, x, path: fails(
+        m, x, path, write=False))
+    assert export._write_format("torchscript", None, x, ref, path)["ok"] is False  # no file
+    # a full disk is not the format's fault: raised, for build_folder to name the target
+    monkeypatch.setitem(export.WRITERS, "torchscript", lambda m, x, path: fails(
+        m, x, path, OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(OSError):
+        export._write_format("torchscript", None, x, ref, path)
+
+
 def test_evaluate_counts_each_image_exactly_once_on_any_number_of_ranks(tmp_path):
     from ddpflow.inference import evaluate
 
@@ -82,6 +132,23 @@ def test_leaderboard_best_is_the_lowest_value_when_the_monitor_is_minimised():
     assert [r["trial"] for r in hi] == ["a", "c", "b"] and hi[0]["best"]
 
 
+def test_leaderboard_ranks_unfinished_and_valueless_trials_last_and_numbers_every_row():
+    from ddpflow.sweeps.leaderboard import rank
+
+    rows = [{"trial": "a", "status": "failed", "mode": "min", "best_value": 0.1},
+            {"trial": "b", "status": "finished", "mode": "min", "best_value": None},
+            {"trial": "c", "status": "finished", "mode": "min", "best_value": float("nan")},
+            {"trial": "d", "status": "finished", "mode": "min", "best_value": 0.0},
+            {"trial": "e", "status": "finished", "mode": "min", "best_value": 0.5}]
+    ranked = rank(rows)
+    assert [(r["trial"], r["rank"], r["best"]) for r in ranked] == [
+        ("d", 1, True), ("e", 2, False), ("a", 3, False), ("b", 4, False), ("c", 5, False)]
+    # no trial finished with a value: none is the best
+    ranked = rank([r for r in rows if r["trial"] in "abc"])
+    assert [(r["trial"], r["best"]) for r in ranked] == [("a", False), ("b", False),
+                                                          ("c", False)]
+
+
 def _batches(rank: int, epoch: int, seed: int = 0, steps: int = 2):
     """Mixup/cutmix soft targets and the step generators' first draws of a tiny device
     loader (a label per image: a row of the targets shows the batch's lambda)."""
@@ -110,6 +177,19 @@ def test_mixup_and_cutmix_draws_differ_across_epochs_and_ranks_and_repeat_exactl
                   _batches(rank=0, epoch=0, seed=1)):
         for (lam_a, g_a), (lam_o, g_o) in zip(a, other):
             assert lam_a != lam_o and g_a != g_o, (a, other)
+
+
+def test_seed_sequence_is_the_same_everywhere_63_bit_and_wraps_negative_keys():
+    from ddpflow.core.seeds import seed_sequence
+
+    # pinned: a checkpoint resumed on another machine draws the same streams
+    assert [seed_sequence(0), seed_sequence(1, 2, 3)] == [6569863346532939966,
+                                                          3773880422699760768]
+    seeds = [seed_sequence(7, i) for i in range(64)]
+    assert all(0 <= v < 2**63 for v in seeds) and max(seeds) >= 2**62  # all 63 bits used
+    assert any(v % 2 for v in seeds) and len(set(seeds)) == 64
+    # a negative key is taken modulo 2**64 (SeedSequence takes no negatives)
+    assert seed_sequence(-1) == seed_sequence(2**64 - 1) != seed_sequence(2**63 - 1)
 
 
 def test_prepare_fingerprint_changes_when_the_factory_code_changes(tmp_path):
@@ -188,3 +268,42 @@ def test_an_image_replaced_with_its_size_and_time_kept_changes_the_data_fingerpr
     after = fingerprint(cfg)
     assert after != before  # prepared again, and a checkpoint of the old data not resumed
     assert make_record(cfg, "s1", after, None) != make_record(cfg, "s1", before, None)
+
+
+def test_a_stage_result_is_fresh_only_with_its_own_record_and_its_own_final_pt(tmp_path,
+                                                                              monkeypatch):
+    from ddpflow.results import provenance
+
+    cfg = from_dict(tiny_config(tmp_path, stages=[{"name": "a"},
+                                                  {"name": "b", "init_from": "previous"}]))
+    cfg.data_dir.mkdir(parents=True)
+    (cfg.data_dir / "meta.json").write_text("{not json")  # damaged: no fingerprint, no error
+    a_final = cfg.stage_dir("a") / "final.pt"
+    assert provenance.expected_record(cfg, "b")["init_sha256"] is None  # a not finished
+    a_final.parent.mkdir(parents=True)
+    a_final.write_bytes(b"weights of a")
+    want = provenance.expected_record(cfg, "b")
+    assert want == {"stage_hash": cfg.stage_hash("b"), "code": want["code"],
+                    "user_code": want["user_code"], "data": None,
+                    "init_sha256": sha256_of(a_final)}
+    folder = cfg.stage_dir("b")
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text("{trunc")  # damaged summary: not a result, no error
+    assert provenance.stage_result(cfg, "b") == (None, None)
+    final = folder / "final.pt"
+    s = {"finished": True, "record": dict(want), "final_sha256": sha256_of(a_final)}
+    monkeypatch.setattr(provenance, "read_summary", lambda path, damaged_ok=False: s)
+    assert provenance.stage_result(cfg, "b") == (s, "stale: final.pt is missing")
+    final.write_bytes(b"weights of a")  # the recorded final.pt
+    assert provenance.stage_result(cfg, "b") == (s, None)
+    final.write_bytes(b"weights of c")
+    assert provenance.stage_result(cfg, "b")[1] == (
+        "stale: final.pt was replaced after the stage finished")
+    final.write_bytes(b"weights of a")
+    for key, why in provenance.REASONS.items():
+        s["record"] = {**want, key: "other"}
+        assert provenance.stage_result(cfg, "b") == (s, f"stale: {why}"), key
+    s["record"] = None
+    assert provenance.stage_result(cfg, "b")[1].startswith("stale: no record")
+    monkeypatch.setattr(provenance, "read_summary", lambda path, damaged_ok=False: None)
+    assert provenance.stage_result(cfg, "b") == (None, None)

@@ -250,8 +250,9 @@ def test_the_builtin_tasks_pass_and_go_through_the_same_check_once():
                               model=SimpleNamespace(name="smallcnn"))
         t = build_task(cfg, st, 4)
         assert t.loss(outputs, batch).requires_grad and t.monitor and "maximize" in dir(t.task)
-        check_task(t.task, outputs.detach(), batch, f"task.name {name}", name,  # no gradient
-                   metrics=batch is not mixed)
+        loss = check_task(t.task, outputs.detach(), batch, f"task.name {name}", name,
+                          metrics=batch is not mixed)  # no gradient
+        assert torch.equal(loss, t.task.loss(outputs.detach(), batch))  # the loss it checked
         assert t.metrics(outputs, (BATCH[0], batch[1].argmax(1) if batch is mixed else batch[1]))
     # the wrapper checks the first batch only: a later one is the task's own business
     cfg = SimpleNamespace(task=SimpleNamespace(name="classification", kwargs={}),

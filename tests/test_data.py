@@ -217,6 +217,28 @@ def test_stratified_split_is_reproducible():
         hold_out(np.array([0, 0, 0, 1]), 0.2, seed=0, classes=["a", "b"])
 
 
+def test_pool_test_and_train_val_hold_out_their_own_shares():
+    from types import SimpleNamespace
+
+    from ddpflow.data.splits import pool_test, train_val
+
+    labels = np.repeat(np.arange(3), [8, 12, 4])
+    cfg = SimpleNamespace(seed=3, data=SimpleNamespace(val_fraction=0.25, test_fraction=0.0))
+    pool, test = pool_test(labels, cfg)
+    assert pool.tolist() == list(range(24)) and test.size == 0  # test_fraction 0: no split
+    cfg.data.test_fraction = 0.5
+    want = hold_out(labels, 0.5, seed=3 + 7)  # the test draw: its own seed, not the val one
+    assert all(np.array_equal(u, v) for u, v in zip(pool_test(labels, cfg), want))
+    assert all(np.array_equal(u, v) for u, v in zip(train_val(labels, cfg),
+                                                    hold_out(labels, 0.25, seed=3)))
+    # a share that rounds to nothing still holds one image of each class out
+    assert np.bincount(labels[hold_out(labels, 0.01, seed=0)[1]]).tolist() == [1, 1, 1]
+    with pytest.raises(UserError, match="or lower data.val_fraction$"):
+        train_val(np.array([0, 0, 1]), cfg)
+    with pytest.raises(UserError, match="no other images .* set data.test_fraction: 0 "):
+        pool_test(np.array([0, 0, 1]), cfg)
+
+
 def _batches(meta, arrays, kind, rank, workers=0, recipe=None, cfg=None):
     norm = Normalize(meta["mean"], meta["std"], torch.device("cpu"), 3, False)
     trace = io.StringIO()

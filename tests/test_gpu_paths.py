@@ -562,3 +562,10 @@ def test_a_damaged_checkpoint_sidecar_is_skipped_not_raised(tmp_path):
     found = checkpoint.latest_valid(tmp_path, "k", warn=lambda *a, **k: warned.append(a[0]))
     assert found is not None and found[1]["step"] == 4
     assert len(warned) == 2 and "ckpt-000000012.pt" in warned[0]
+
+
+def test_no_checkpoint_folder_yet_is_no_checkpoint_not_an_error(tmp_path):
+    from ddpflow.engine import checkpoint
+
+    assert checkpoint.list_checkpoints(tmp_path / "checkpoints") == []
+    assert checkpoint.latest_valid(tmp_path / "checkpoints", "k", warn=None) is None

@@ -69,6 +69,17 @@ def test_split_folder_names(tmp_path, folders, want):
     assert "train/, val/ (or valid/, validation/) and test/" in msg or "keep one" in msg
 
 
+def test_split_folder_names_skip_files_and_hidden_folders_and_name_the_first_odd_one(
+        tmp_path):
+    assert splits.folder_splits(tmp_path / "missing") == {}
+    root = tree(tmp_path / "ds", ("train", "val"))
+    (root / "notes.txt").write_text("not a folder")
+    (root / ".cache").mkdir()
+    assert splits.folder_splits(root) == {"train": root / "train", "val": root / "val"}
+    with pytest.raises(UserError, match="two/testing looks like"):
+        splits.folder_splits(tree(tmp_path / "two", ("testing", "training")))
+
+
 def test_prepare_refuses_training_folder_in_one_line(tmp_path):
     root = tree(tmp_path / "ds", ("training", "val"))
     raw = tiny_config(tmp_path, data={"source": "imagefolder", "path": str(root),
