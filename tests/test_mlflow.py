@@ -114,7 +114,8 @@ def test_workflow_logs_to_a_real_mlflow_server_and_survives_its_absence(tmp_path
     write(wd, cfg)  # a changed lr of stage b: b trains again, from scratch (a is done)
     proc = snakemake(wd)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logs = "".join(p.read_text(errors="replace") for p in (wd / "logs").rglob("*") if p.is_file())
+    logs = "".join(p.read_text(errors="replace") for p in (wd / "results/wf/logs").rglob("*")
+                   if p.is_file())
     assert "could not log stage b" in logs and "could not log the report" in proc.stderr + logs
     unsent = wd / "results/wf/stages/b/mlflow_unsent.jsonl"
     assert unsent.is_file() and unsent.stat().st_size > 0

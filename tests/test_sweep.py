@@ -179,7 +179,7 @@ def test_sweep_through_the_workflow(tmp_path):
     assert (res / "sweep/metric_vs_stages_0_lr.png").is_file()
     # data prepared once, by one job, for all four trials
     assert len(list((res / "sweep/data").glob("*/meta.json"))) == 1
-    assert len(list((tmp_path / "logs/sw/sweep").glob("prepare_data_*.log"))) == 1
+    assert len(list((res / "logs/sweep").glob("prepare_data_*.log"))) == 1
     assert not (res / "data").exists()
     # at most two at once (2 cores, 1 per trial), never two on one slot at the same time
     holds = [json.loads(p.read_text()) for p in res.glob("trials/*/stages/a/slot.json")]

@@ -74,10 +74,14 @@ def test_full_run_rerun_and_partial_rerun(wf):
     assert not list(wf.rglob("INJECTED")), "a path on a shell line ran as a command"
     res = wf / ODD_RESULTS / "wf"
     assert "val_acc" in proc.stdout + proc.stderr  # the headline printed at the end
+    # each job's log is in the run's folder, and the lines a person watches reach the
+    # console: the stage's progress (a line per log interval: no terminal, no bar) and its end
+    assert re.search(r"^\[a\] step 4/\d+ \(epoch 0\): loss ", proc.stderr, re.M), proc.stderr
+    assert "ddpflow: stage 'b' finished" in proc.stderr and "Traceback" not in proc.stderr
     for st in ("a", "b"):
         s = json.loads((res / f"stages/{st}/summary.json").read_text())
         assert s["world_size"] == 2 and s["finished"]
-    assert (wf / "logs/wf/train_a.log").read_text().count("torch.distributed.run") == 1
+    assert (res / "logs/train_a.log").read_text().count("torch.distributed.run") == 1
     assert json.loads((res / "image.json").read_text())["engine"] == "none"
     summary = json.loads((res / "summary/summary.json").read_text())
     assert [r["stage"] for r in summary["stages"]] == ["a", "b"]
@@ -243,6 +247,46 @@ def test_make_run_trains_the_embedded_default(tmp_path):
     assert (tmp_path / "results/default/summary/report.html").stat().st_size > 10_000
 
 
+BOOM = """
+import torch.nn as nn
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(3 * 16 * 16, 10), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.training and self.calls > 6:
+            raise RuntimeError("boom in forward")
+        return self.fc(x.flatten(1))
+
+def build(num_classes=10, in_channels=3):
+    return Boom()
+"""
+
+
+def test_a_crashed_stage_shows_its_progress_and_cause_on_the_console(tmp_path):
+    """Under `snakemake --cores` a job's output goes to its log; the console still shows the
+    stage's progress lines and, when a rank crashes, ddpflow's one-line error and the
+    exception that caused it (not the traceback, not only Snakemake's error block)."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code/boom.py").write_text(BOOM)
+    cfg = {**TINY, "log_every_steps": 2, "model": {"name": "boom:build", "code_dir": "code"},
+           "hardware": {**TINY["hardware"], "max_restarts": 0},
+           "stages": [{**TINY["stages"][0], "precision": "fp32", "channels_last": False}]}
+    write(tmp_path, cfg)
+    proc = snakemake(tmp_path)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert re.search(r"^\[a\] step 2/\d+ \(epoch 0\): loss ", err, re.M), err[-3000:]
+    assert "ddpflow: error: stage 'a' failed: torchrun exited with 1" in err, err[-3000:]
+    line = next(x for x in err.splitlines() if x.startswith("ddpflow: the last exception"))
+    assert "results/wf/logs/train_a.log" in line and "RuntimeError: boom in forward" in line
+    assert "Traceback" not in err and "boom in forward" in \
+        (tmp_path / "results/wf/logs/train_a.log").read_text()
+
+
 def test_a_diverged_stage_is_not_retried_into_the_same_nan(tmp_path):
     """The local profile retries failed jobs once: the retry sees failed.json with the same
     inputs and stops at once (exit 3) instead of resuming into the same divergence."""
@@ -298,7 +342,7 @@ def test_examples_run_and_a_model_edit_reruns_only_training(tmp_path):
     final = json.loads((res / "stages/finetune/summary.json").read_text())
     assert final["final_val_acc"] > 0.5  # 3 classes: far above chance
     assert "re-initialised (head.weight, head.bias)" in \
-        (tmp_path / "logs/own_model/train_probe.log").read_text()
+        (tmp_path / "results/own_model/logs/train_probe.log").read_text()
 
     model_file = cfg.parent / "tinynet.py"
     model_file.write_text(model_file.read_text() + "\n# tuned the blocks\n")

@@ -38,6 +38,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ddpflow", description=__doc__.split("\n")[0])
     ap.add_argument("--version", action="version", version=f"ddpflow {__version__}")
+    ap.add_argument("--log", metavar="FILE", default=None,
+                    help="write all output to FILE and show only ddpflow's own lines (what "
+                         "the workflow's rules use)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("validate", help="validate a config and print it resolved")
@@ -80,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "list: print the trials")
     _config_args(p)
     p.add_argument("--logs", default=None, help="collect: folder of the trials' workflow logs "
-                   "(default logs/<run>/trials), where a failed trial's reason is read")
+                   "(default results/<run>/logs/trials), where a failed trial's reason is read")
 
     p = sub.add_parser("doctor", help="what this machine offers for training, and advice")
     _config_args(p)
@@ -353,6 +356,21 @@ USER_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    asked = any(a == "--log" or a.startswith("--log=") for a in argv)
+    log = build_parser().parse_known_args(argv)[0].log if asked else None
+    if not log:
+        return _main(argv)
+    from ddpflow.core.teelog import tee_log
+
+    with tee_log(Path(log)) as tee:  # the one-line error is in the log and on the console
+        rc = _main(argv)
+    if rc and tee.last_error:  # a crash, not a mistake: the cause, without the traceback
+        print(f"ddpflow: the last exception in {log}: {tee.last_error}", file=sys.stderr)
+    return rc
+
+
+def _main(argv: list[str]) -> int:
     try:
         return run(argv)
     except UserError as e:

@@ -51,7 +51,7 @@ rule collect:
     params:
         cfg=WCFG,
     shell:
-        "ddpflow collect --config={params.cfg:q} > {log:q} 2>&1"
+        "ddpflow --log={log:q} collect --config={params.cfg:q}"
 
 
 onsuccess:

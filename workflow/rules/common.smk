@@ -49,7 +49,8 @@ config.update(yaml.safe_load(ddpflow_stdin("validate").stdout))
 
 RUN = config["run"]
 RESULTS = f"{config['results_dir']}/{RUN}"
-LOGS = f"logs/{RUN}"
+# a run's job logs live with its results (not in the folder snakemake runs in)
+LOGS = f"{RESULTS}/logs"
 STAGES = [s["name"] for s in config["stages"]]
 PACKAGE = Path(workflow.basedir) / "src" / "ddpflow"
 # the image of every rule that runs ddpflow's work, for `--sdm apptainer`; only with engine

@@ -18,4 +18,4 @@ rule prepare_data:
         code=code_version("data"),
         user_code=data_user_code(),
     shell:
-        "ddpflow prepare --config={params.cfg:q} > {log:q} 2>&1"
+        "ddpflow --log={log:q} prepare --config={params.cfg:q}"

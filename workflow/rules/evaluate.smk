@@ -21,7 +21,7 @@ rule evaluate:
         cfg=WCFG,
         code=code_version(),
     shell:
-        "ddpflow evaluate --config={params.cfg:q} --split test --allow-empty > {log:q} 2>&1"
+        "ddpflow --log={log:q} evaluate --config={params.cfg:q} --split test --allow-empty"
 
 
 rule export:
@@ -38,4 +38,4 @@ rule export:
         cfg=WCFG,
         code=code_version(),
     shell:
-        "ddpflow export --config={params.cfg:q} > {log:q} 2>&1"
+        "ddpflow --log={log:q} export --config={params.cfg:q}"

@@ -15,4 +15,4 @@ rule image:
         container=config["container"],
         context=workflow.basedir,
     shell:
-        "ddpflow image --config={params.cfg:q} --context={params.context:q} --out={output:q} > {log:q} 2>&1"
+        "ddpflow --log={log:q} image --config={params.cfg:q} --context={params.context:q} --out={output:q}"

@@ -39,7 +39,7 @@ if SWEEP:
             code=code_version("data"),
             user_code=lambda w: data_user_code(TCFG[DATASETS[w.dataset]["id"]]),
         shell:
-            "ddpflow prepare --config={params.cfg:q} > {log:q} 2>&1"
+            "ddpflow --log={log:q} prepare --config={params.cfg:q}"
 
     localrules:
         sweep_image,
@@ -84,7 +84,7 @@ if SWEEP:
             tune=lambda w: TCFG[w.trial]["tune"],
             code=code_version(),
         shell:
-            "ddpflow tune --config={params.cfg:q} > {log:q} 2>&1"
+            "ddpflow --log={log:q} tune --config={params.cfg:q}"
 
     rule sweep_train:
         input:
@@ -114,7 +114,7 @@ if SWEEP:
             user_code=lambda w: user_code_version(TCFG[w.trial]["model"]["code_dir"]),
             data_code=lambda w: data_user_code(TCFG[w.trial]),
         shell:
-            "ddpflow launch --config={params.cfg:q} --stage {wildcards.stage:q} > {log:q} 2>&1"
+            "ddpflow --log={log:q} launch --config={params.cfg:q} --stage {wildcards.stage:q}"
 
     rule sweep_collect_trial:
         input:
@@ -131,7 +131,7 @@ if SWEEP:
         params:
             cfg=lambda w: TRIALS[w.trial]["config"],
         shell:
-            "ddpflow collect --config={params.cfg:q} > {log:q} 2>&1"
+            "ddpflow --log={log:q} collect --config={params.cfg:q}"
 
     rule sweep_leaderboard:
         input:
@@ -154,7 +154,7 @@ if SWEEP:
             cfg=WCFG,
             logs=f"{LOGS}/trials",
         shell:
-            "ddpflow sweep collect --config={params.cfg:q} --logs={params.logs:q} > {log:q} 2>&1"
+            "ddpflow --log={log:q} sweep collect --config={params.cfg:q} --logs={params.logs:q}"
 
     onerror:
         # failed trials are rows with their reason, not holes: the leaderboard is written

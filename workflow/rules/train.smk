@@ -26,4 +26,4 @@ rule train:
         user_code=user_code_version(config["model"]["code_dir"]),
         data_code=data_user_code(),
     shell:
-        "ddpflow launch --config={params.cfg:q} --stage {wildcards.stage:q} > {log:q} 2>&1"
+        "ddpflow --log={log:q} launch --config={params.cfg:q} --stage {wildcards.stage:q}"

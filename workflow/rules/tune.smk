@@ -22,4 +22,4 @@ rule tune:
         tune=config["tune"],
         code=code_version(),
     shell:
-        "ddpflow tune --config={params.cfg:q} > {log:q} 2>&1"
+        "ddpflow --log={log:q} tune --config={params.cfg:q}"

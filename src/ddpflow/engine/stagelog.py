@@ -39,6 +39,14 @@ def interval_record(s: TrainState, setup: StageSetup, per_rank: list, dt: float,
         "grad_scale": grad_scale, "skipped_steps": skipped, "warmup": warmup, "time_s": time_s}
 
 
+def progress_line(rec: dict, total_steps: int) -> str:
+    """The console's line for one log interval where no progress bar is drawn (a log file,
+    a Snakemake job): step of total, loss, throughput, data wait."""
+    return (f"step {rec['step']}/{total_steps} (epoch {rec['epoch']}): loss {rec['loss']:.4f}, "
+            f"lr {rec['lr']:.3g}, {rec['samples_per_s']:.0f} samples/s, "
+            f"data wait {rec['data_wait_fraction']:.0%}")
+
+
 def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dict, *,
                   test_metrics: dict, final_sha: str | None, train_time_s: float,
                   flops_per_micro: float | None, skipped: int, weight_hashes: list,

@@ -39,7 +39,7 @@ from ddpflow.engine.runtime import (
     trace_file,
 )
 from ddpflow.engine.saver import Saver, checkpoint_state, restore
-from ddpflow.engine.stagelog import interval_record
+from ddpflow.engine.stagelog import interval_record, progress_line
 from ddpflow.engine.state import StageEnd, StageFiles, TrainState
 from ddpflow.engine.step import StepCounters, divergence, micro_step, update
 from ddpflow.engine.tune import stage_settings
@@ -280,13 +280,15 @@ class Trainer:
             self.halted = True
             return False
         if d.is_master:
-            self.log.write(interval_record(
+            rec = self.log.write(interval_record(
                 s, self.fixed, per_rank, dt, wait, n, loss=loss_value,
                 lr=self.sched.get_last_lr()[0], flops_per_micro=self.flops_per_micro,
                 gpu=self.gpu.interval(), skipped=int(self.counters.skipped.item()),
                 grad_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
                 warmup=self.first_interval, time_s=s.elapsed_s + now - self.t_start))
             self.bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+            if self.bar.disable:  # no terminal (a log file, a Snakemake job): a line instead
+                self.say(progress_line(rec, self.total_steps))
         self.counters.loss_sum.zero_()
         s.loss_count = 0
         self.first_interval = False

@@ -25,10 +25,11 @@ class MetricsLog:
         write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.f = open(self.path, "a", buffering=1)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict) -> dict:
         self.f.write(json.dumps(record) + "\n")
         if self.tracker is not None:
             self.tracker.record(record)
+        return record
 
     def close(self) -> None:
         self.f.close()

@@ -127,7 +127,7 @@ def rank(rows: list[dict]) -> list[dict]:
 def collect(cfg: Config, logs: Path | None = None) -> str:
     """Write the leaderboard files; return the headline text."""
     plan = read_plan(cfg)
-    logs = Path(logs or Path("logs") / cfg.run / "trials")
+    logs = Path(logs or cfg.run_dir / "logs" / "trials")
     rows = rank([trial_row(cfg, e, logs) for e in plan["trials"]])
     out = cfg.run_dir / "sweep"
     swept = plan["swept"]

@@ -1,0 +1,84 @@
+"""A command's whole output into its log file, and the lines a person watches on the console.
+
+A Snakemake rule sends a job's output to its log file, so the console stays silent while a
+stage trains for hours and, on failure, shows only Snakemake's own error block.
+`ddpflow --log FILE <command>` writes everything to FILE (the ranks' output too: child processes
+inherit the file descriptors) and also echoes ddpflow's own lines to the console: `ddpflow: ...`
+(what the launcher decided, and the one-line error) and `[stage] ...` (a line per log interval,
+each validation, the end).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+SHOWN = re.compile(rb"^(ddpflow: |\[[\w.+-]+\] )")
+# the last line of a Python traceback, in a rank's output ("[rank1]: RuntimeError: ...") or the
+# process's own; torchrun's summary of its failed children is not the cause
+RAISED = re.compile(rb"^(\[rank\d+\]: )?(?!\S*ChildFailedError)"
+                    rb"[A-Za-z_][\w.]*(Error|Exception)\b.*")
+DRAIN_S = 10.0  # seconds to wait for a child that still holds the pipe (a daemon) at the end
+
+
+class Tee:
+    """What the pump saw: the last exception line (`last_error`, text or None)."""
+
+    last_error: str | None = None
+
+
+def _pump(read_fd: int, log, console_fd: int, shown: re.Pattern, tee: Tee) -> None:
+    """Copy the pipe into the log as it comes; whole lines that match also to the console."""
+    pending = b""
+    while chunk := os.read(read_fd, 1 << 16):
+        log.write(chunk)
+        log.flush()  # a log someone tails, and the part written before a kill
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            # a progress bar's redraws end in \r: the console gets the last state only
+            line = line.rsplit(b"\r", 1)[-1]
+            if shown.match(line):
+                os.write(console_fd, line + b"\n")
+            elif RAISED.match(line):
+                tee.last_error = line.decode(errors="replace")[:400]
+    if pending and shown.match(pending):
+        os.write(console_fd, pending + b"\n")
+    os.close(read_fd)
+
+
+@contextmanager
+def tee_log(path: Path, shown: re.Pattern = SHOWN):
+    """Inside the block, file descriptors 1 and 2 go to `path` (truncated, as `> path 2>&1`
+    does); lines matching `shown` also reach the console the command was started with.
+    Yields a Tee whose last_error is complete once the block has ended."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "wb")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, 1)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    tee = Tee()
+    pump = threading.Thread(target=_pump, args=(read_fd, log, saved[1], shown, tee),
+                            daemon=True)
+    pump.start()
+    try:
+        yield tee
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)  # this process's last ends of the pipe: the pump sees the end
+        os.dup2(saved[1], 2)  # once the children's ends are closed too
+        pump.join(DRAIN_S)
+        os.close(saved[0])
+        if not pump.is_alive():  # else a leftover child still writes: the pump keeps both
+            log.close()
+            os.close(saved[1])
