@@ -126,3 +126,20 @@ def test_missing_engine_is_one_clear_error(tmp_path, engine, env, needle):
     assert f"container.engine is '{engine}'" in proc.stderr and needle in proc.stderr
     assert "container.engine: none" in proc.stderr
     assert not (tmp_path / "image.json").exists()
+
+
+def test_the_host_environment_record_is_quick_and_names_the_torch_build(tmp_path):
+    """engine none: the `image` rule only records the host environment; it is on every run's
+    critical path, so it must not import torch (1.5 s) to read its version."""
+    cfg = write_config(tmp_path, {**tiny_config(tmp_path), "container": {"engine": "none"}})
+    out = tmp_path / "image.json"
+    probe = ("import sys; from ddpflow.cli import main; "
+             f"rc = main(['image', '--config', {str(cfg)!r}, '--out', {str(out)!r}]); "
+             "print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1].split() == ["0", "False"], proc.stderr
+    import torch
+
+    record = json.loads(out.read_text())
+    assert record["engine"] == "none" and record["torch"] == torch.__version__
