@@ -43,6 +43,9 @@ def tiny_config(tmp_path: Path, **top) -> dict:
         if isinstance(st, dict):
             for k, v in PINNED.items():
                 st.setdefault(k, v)
+    if isinstance(cfg.get("data"), dict) and cfg["data"].get("source", "synthetic") == "synthetic":
+        # `auto` decides from the free memory of the machine the test runs on
+        cfg["data"].setdefault("loader", "device")
     return cfg
 
 

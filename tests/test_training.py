@@ -225,3 +225,15 @@ def test_dataparallel_baseline_and_fp32(tmp_path):
     # the model is wrapped in DataParallel (without GPUs it calls the module directly;
     # scattering over several GPUs needs a GPU node: bench/gpu.sh)
     assert s["wrapper"] == "DataParallel" and s["backend"] is None
+
+
+@pytest.mark.parametrize("forced, want", [("1", "bf16"), ("0", "fp32")])
+def test_precision_auto_on_a_cpu_follows_the_bf16_override(monkeypatch, forced, want):
+    """DDPFLOW_CPU_BF16 runs the suite as on the other kind of CPU (native bf16 or not)."""
+    import torch
+
+    from ddpflow.engine.runtime import pick_precision
+
+    monkeypatch.setenv("DDPFLOW_CPU_BF16", forced)
+    assert pick_precision("auto", torch.device("cpu")) == want
+    assert pick_precision("fp32", torch.device("cpu")) == "fp32"  # an explicit choice stays

@@ -28,6 +28,11 @@ def pick_precision(setting: str, device: torch.device) -> str:
 
 
 def cpu_has_fast_bf16() -> bool:
+    """oneDNN's answer; DDPFLOW_CPU_BF16=1 or 0 overrides it (a CPU it misjudges, and a test
+    suite run as on the other kind of CPU)."""
+    forced = os.environ.get("DDPFLOW_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # no oneDNN in this build
