@@ -81,6 +81,7 @@ def test_report_renders_in_headless_chromium(run, tmp_path):
     body = re.search(r"<body[^>]*>", dom).group(0)
     # loss/accuracy, throughput, rank step times and the test split's confusion matrix
     assert 'data-images-loaded="4"' in body and 'data-images-total="4"' in body, body
+    assert 'data-page-overflow="false"' in body, body  # wide tables scroll in place
     headline = dom.split('id="headline"')[1].split("</table>")[0]
     assert "<td>a</td>" in headline and "<td>b</td>" in headline
     assert "test acc (test split)" in headline
@@ -153,3 +154,10 @@ def test_sigterm_during_collect_keeps_no_stale_report(run, tmp_path):
     for name in ("summary.json", "summary.csv", "report.html", "headline.txt",
                  "manifest.json", "loss_accuracy.png", "throughput.png"):
         assert (out / name).is_file(), name
+
+
+def test_a_small_difference_is_not_printed_as_zero():
+    from ddpflow.results.report import _fmt
+
+    assert _fmt(2.86e-06) == "2.86e-06" and _fmt(-4e-4) == "-4.00e-04"
+    assert _fmt(0.0) == "0.0000" and _fmt(0.75291) == "0.7529" and _fmt(1234.5) == "1,234.5"

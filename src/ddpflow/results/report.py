@@ -17,7 +17,7 @@ from ddpflow.core.quoting import html_text
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}
 h1{font-size:1.6em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:.5em 0}td,th{padding:.3em .7em;border:1px solid #ccc}
+table{border-collapse:collapse;margin:.5em 0;display:block;max-width:100%;overflow-x:auto}td,th{padding:.3em .7em;border:1px solid #ccc}
 th{background:#f4f4f4;text-align:left}.bad{color:#b00020;font-weight:bold}
 .ok{color:#1b5e20}img{max-width:100%;border:1px solid #eee}pre{background:#f8f8f8;
 padding:1em;overflow:auto;font-size:.8em}
@@ -29,6 +29,9 @@ window.addEventListener('load', function () {
   var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
   document.body.setAttribute('data-images-loaded', String(ok));
   document.body.setAttribute('data-images-total', String(imgs.length));
+  // a wide table scrolls inside itself: the page never gets wider than the window
+  document.body.setAttribute('data-page-overflow',
+    String(document.documentElement.scrollWidth > window.innerWidth));
 });
 """
 
@@ -37,6 +40,8 @@ def _fmt(v) -> str:
     if v is None:
         return "–"
     if isinstance(v, float):
+        if v and abs(v) < 1e-3:  # a small difference is not zero: 2.86e-06, not 0.0000
+            return f"{v:.2e}"
         return f"{v:.4f}" if abs(v) < 10 else f"{v:,.1f}"
     return html_text(str(v))
 
