@@ -101,18 +101,23 @@ def test_evaluate_counts_each_image_exactly_once_on_any_number_of_ranks(tmp_path
             evaluate.each_once(together, n, 0)
     with pytest.raises(RuntimeError, match="counted twice"):
         evaluate.each_once(np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 0]), 9, 0)
-    # the gathered per-image results: 9 images on 2 ranks, each once in the metrics
+    # the ranks' tallies summed (as evaluate.combine does): 9 images on 2 ranks, each once
+    from ddpflow.inference.common import Tally
+
     labels = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2])
-    gathered = []
+    total = Tally(3, torch.device("cpu"))
     for r in range(2):
         idx = evaluate.share(9, r, 2)
         logits = torch.nn.functional.one_hot(torch.as_tensor(labels[idx]), 3).float()
         logits[idx == 4] = torch.tensor([0.0, 0.0, 1.0])  # image 4 (a 1) taken for a 2
-        gathered.append((idx, logits, torch.as_tensor(labels[idx]), []))
+        mine = Tally(3, torch.device("cpu"))
+        mine.add(logits, torch.as_tensor(labels[idx]))
+        total.confusion += mine.confusion
+        total.sums += mine.sums
     cfg = SimpleNamespace(data=SimpleNamespace(image_size=16, store_size=18), hash="h")
     meta = {"num_classes": 3, "classes": ["a", "b", "c"]}
-    evaluate._write(cfg, meta, gathered, tmp_path, {"stage": "s", "split": "val",
-                                                    "weights": {}, "world_size": 2})
+    evaluate._write(cfg, meta, total.scores(), [], tmp_path,
+                    {"stage": "s", "split": "val", "weights": {}, "world_size": 2})
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert np.array(m["confusion"]).tolist() == [[3, 0, 0], [0, 2, 1], [0, 0, 3]]
     assert m["acc"] == pytest.approx(8 / 9)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -75,7 +76,7 @@ def test_a_log_interval_reads_the_clock_after_the_sync(monkeypatch):
     t.scaler = SimpleNamespace(is_enabled=lambda: False)
     t.interval = [time.perf_counter(), 0.0, 5]
     t.log = type("Log", (), {"write": lambda self, r: None})()
-    t.bar = type("Bar", (), {"set_postfix": lambda self, **k: None})()
+    t.bar = type("Bar", (), {"set_postfix": lambda self, **k: None, "disable": False})()
     t.stop_poll = StopPoll(60, 10)
     assert t.log_interval() is False
     assert seen["dt"] >= 0.3  # the wait for the queued work is inside the interval
@@ -485,7 +486,7 @@ def test_the_ranks_agree_on_the_loader_and_count_the_model(tmp_path):
     from ddpflow.config import from_dict
     from ddpflow.seams.models import build_model
 
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path, data={"loader": "auto"})  # what this test is about
     model = build_model(from_dict(cfg).model, 10, 3)
     state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
     # fits in rank 0's 8 GiB, and in rank 1's 1 GiB only if the model were not counted
@@ -569,3 +570,269 @@ def test_no_checkpoint_folder_yet_is_no_checkpoint_not_an_error(tmp_path):
 
     assert checkpoint.list_checkpoints(tmp_path / "checkpoints") == []
     assert checkpoint.latest_valid(tmp_path / "checkpoints", "k", warn=None) is None
+
+
+# ------------------------------------------- issue 36: copies, counts, evaluate, lazydynamo
+class _FakeEvent:
+    """torch.cuda.Event's stand-in: records how often a staging slot was waited for."""
+
+    waits = 0
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        _FakeEvent.waits += 1
+
+
+def test_the_device_upload_copies_images_and_labels_from_pinned_memory_without_blocking(
+        monkeypatch):
+    """The labels went from pageable memory with a blocking copy, so the two pinned image
+    buffers never overlapped anything. On a stand-in GPU (the CUDA calls replaced; the
+    buffers are host memory), every copy to the device is from a pinned buffer and
+    non-blocking, images and labels alike, and the rows arrive in order."""
+    from ddpflow.data.loaders import BadSamples, upload
+
+    real_empty, real_copy = torch.empty, torch.Tensor.copy_
+    pinned, copies = set(), []
+
+    def empty(*shape, pin_memory=False, device=None, **kw):
+        t = real_empty(*shape, device="cpu" if str(device).startswith("cuda") else device,
+                       **kw)
+        if pin_memory:
+            pinned.add(t.untyped_storage().data_ptr())
+        return t
+
+    def copy_(dst, src, non_blocking=False):
+        copies.append((src.dtype, src.untyped_storage().data_ptr() in pinned, non_blocking))
+        return real_copy(dst, src, non_blocking)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(synchronize=lambda: None))
+    _FakeEvent.waits = 0
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (100, 4, 4, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, 100).astype(np.int32)
+    idx = np.arange(1, 100, 2)
+    x, y = upload(images, labels, idx, torch.device("cuda"), BadSamples("val", 100, 0.0, 0),
+                  chunk_bytes=10 * 48)  # 10 rows a chunk: 5 chunks
+    assert torch.equal(x, torch.from_numpy(images[idx])) and y.tolist() == labels[idx].tolist()
+    assert [c[0] for c in copies] == [torch.uint8, torch.int64] * 5
+    assert all(is_pinned and non_blocking for _, is_pinned, non_blocking in copies), copies
+    assert _FakeEvent.waits == 3  # chunks 3-5 wait for their slot's copies of two chunks ago
+
+
+class _LoggedRows:
+    """uint8 images whose batch reads are announced (an Event per batch's first row)."""
+
+    def __init__(self, images, batch):
+        self.images, self.batch, self.shape = images, batch, images.shape
+        self.read = [threading.Event() for _ in range(0, len(images), batch)]
+
+    def __getitem__(self, idx):
+        self.read[int(idx[0]) // self.batch].set()
+        return self.images[idx]
+
+
+def test_streamed_validation_reads_ahead_and_copies_from_pinned_memory(monkeypatch):
+    """Streamed validation read and decoded each batch on the main thread, then copied it
+    "non_blocking" from pageable memory (a blocking copy). Now a thread reads the next
+    batch while this one is used, into pinned memory on a GPU (stand-ins for pin_memory
+    and the copy: no GPU here)."""
+    from ddpflow.data.loaders import Normalize, val_batches
+
+    moved = []
+    real_to = torch.Tensor.to
+
+    def pin_memory(t, *a, **k):
+        out = t.clone()
+        out.pinned_stand_in = True
+        return out
+
+    def to(t, *args, **kw):
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            moved.append((getattr(t, "pinned_stand_in", False), kw.get("non_blocking", False)))
+            return t
+        return real_to(t, *args, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 255, (20, 4, 4, 3), dtype=np.uint8)
+    labels = np.arange(20) % 3
+    images = _LoggedRows(raw, 4)  # one rank of one: batches of rows 0-3, 4-7, ...
+    norm = Normalize([0.5] * 3, [0.25] * 3, torch.device("cpu"), 3, channels_last=False)
+    batches = val_batches(images, labels, torch.device("cuda"), 1, 0, norm)(4)
+    seen = []
+    for k, (x, y) in enumerate(batches):
+        if k + 1 < len(images.read):  # the next batch is read while this one is in use
+            assert images.read[k + 1].wait(10), f"batch {k + 1} was not read ahead"
+        seen.append((x, y))
+    assert len(seen) == 5
+    torch.testing.assert_close(torch.cat([x for x, _ in seen]),
+                               norm(torch.from_numpy(raw)))
+    assert torch.cat([y for _, y in seen]).tolist() == labels.tolist()
+    assert moved == [(True, True)] * 10  # images and labels of 5 batches
+
+
+def test_validation_counts_make_no_tensor_per_batch(monkeypatch):
+    """A validation batch made a tensor of its sample count from a Python number (on a GPU
+    a blocking copy to the device, every batch). The tensors made from host numbers are
+    now as many for 8 batches as for 2: the reductions' few, once per validation."""
+    import contextlib
+
+    from ddpflow.engine.distributed import Dist
+    from ddpflow.engine.validation import Validator
+    from ddpflow.seams.tasks import Classification
+
+    torch.manual_seed(0)
+    net = nn.Linear(6, 3)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    d = Dist(0, 0, 1, torch.device("cpu"), None)
+    made = []
+
+    def counting(real):
+        def make(data, *a, **k):
+            if not isinstance(data, torch.Tensor):
+                made.append(data)
+            return real(data, *a, **k)
+        return make
+
+    def validate(batch):
+        v = Validator(d, Classification(), "classification", contextlib.nullcontext(),
+                      batch, lambda text: None)
+        v.batch = batch
+        split = lambda b: ((x[i:i + b], y[i:i + b]) for i in range(0, 64, b))  # noqa: E731
+        made.clear()
+        with monkeypatch.context() as m:
+            for name in ("tensor", "as_tensor", "scalar_tensor"):
+                m.setattr(torch, name, counting(getattr(torch, name)))
+            out = v.metrics(net, split)
+        return out, len(made)
+
+    (few, n_few), (many, n_many) = validate(32), validate(8)
+    assert n_few == n_many <= 3
+    with torch.no_grad():
+        logits = net(x)
+    assert few["val_acc"] == many["val_acc"] == (logits.argmax(1) == y).double().mean().item()
+    assert few["val_loss"] == pytest.approx(
+        torch.nn.functional.cross_entropy(logits, y).item(), rel=1e-6)
+
+
+_EVALUATE_BODY = """
+import numpy as np
+import torch.distributed as dist
+from ddpflow.inference import evaluate
+from ddpflow.inference.common import scores
+
+def all_to_all(*a, **k):
+    raise AssertionError("every rank received every rank's objects")
+
+dist.all_gather_object = distributed.gather_objects = all_to_all
+torch.manual_seed(0)
+model = torch.nn.Linear(12, 5)
+rng = np.random.default_rng(0)
+x_all = rng.integers(0, 255, (9, 2, 2, 3), dtype=np.uint8)  # 9 images on 2 ranks
+y_all = rng.integers(0, 5, 9)
+pre = lambda x: x.float().flatten(1) / 255
+idx = evaluate.share(9, d.rank, d.world)
+tally = evaluate.run_share(model, pre, lambda a, b: x_all[idx[a:b]], y_all[idx], 5,
+                           d.device, batch=2)
+held = evaluate.combine(d, tally, idx, [("f%d" % d.rank, "unreadable")])
+out = {"held": None}
+if held is not None:
+    total, every, skipped = held
+    evaluate.each_once(every, 9 + 2, len(skipped))  # (the two 'skipped' count as images)
+    with torch.no_grad():
+        want = scores(model(pre(torch.from_numpy(x_all))), torch.from_numpy(y_all), 5)
+    out = {"held": sorted(every.tolist()), "skipped": skipped, "got": total.scores(),
+           "want": want}
+print(json.dumps(out), flush=True)
+distributed.teardown(d)
+"""
+
+
+def test_evaluate_scores_on_each_rank_and_only_rank_0_receives_the_sums(tmp_path):
+    """evaluate gathered every rank's logits onto every rank. Each rank now scores its share
+    on its device (confusion matrix, loss and top-5 sums), the sums are reduced to rank 0,
+    and only rank 0 receives the image numbers (for the each-image-once check): the same
+    figures as scoring all outputs at once, on a split not a multiple of the ranks."""
+    rank0, rank1 = two_ranks(tmp_path, _EVALUATE_BODY, name="evaluate")
+    assert rank1 == {"held": None}
+    assert rank0["held"] == list(range(9))
+    assert rank0["skipped"] == [["f0", "unreadable"], ["f1", "unreadable"]]
+    got, want = rank0["got"], rank0["want"]
+    assert got["samples"] == 9 and got["confusion"] == want["confusion"]
+    assert (got["acc"], got["top5"], got["per_class"]) == (
+        want["acc"], want["top5"], want["per_class"])
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+_FALLBACK = """
+import sys
+import torch
+from ddpflow.core import lazydynamo as lz
+
+assert lz.defer() and lz.deferred()  # the installed torch: the stand-in fits
+lz._uninstall()
+real_install = lz._install
+
+def broken(standin):
+    sys.modules[lz.NAME] = standin
+    raise RuntimeError("simulated")
+
+lz._install = broken
+print("install fails:", lz.defer(), lz.NAME in sys.modules, file=sys.stderr)
+lz._install, lz._said[:] = real_install, []
+lz.SERVED += (("newtorch", "optim.py"),)  # a torch that uses more than the stand-in has
+print("mismatch:", lz.defer(), lz.defer(), lz.NAME in sys.modules, file=sys.stderr)
+torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()  # torch imports it
+print("real:", type(sys.modules[lz.NAME]) is type(sys), not lz.deferred(), file=sys.stderr)
+"""
+
+
+def test_the_dynamo_stand_in_fits_the_installed_torch_or_is_not_used(tmp_path, monkeypatch):
+    """The stand-in answers what torch asks of torch._dynamo where it is used untraced; that
+    is torch's internals. Checked against the installed torch's files at each served point;
+    a torch that uses more (a name it lacks, an argument its function does not take) or an
+    install that fails leaves the real import in place and says so, once."""
+    from ddpflow.core import lazydynamo as lz
+
+    assert lz.mismatches() == []
+    used = {chain for package, rel in lz.SERVED if package == "torch"
+            for chain, _ in lz.uses((Path(torch.__file__).parent / rel).read_text())}
+    assert {"disable", "graph_break", "utils.get_optimize_ddp_mode",
+            "trace_rules.clear_lru_cache"} <= used
+    pkg = tmp_path / "newtorch"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "optim.py").write_text(
+        "import torch._dynamo\n"
+        "torch._dynamo.graph_break()\n"
+        "torch._dynamo.mark_static_address(p)\n"
+        "f = torch._dynamo.disable(fn, recursive, wrapping=False, cache=True)\n"
+        "from torch._dynamo.utils import (is_compile_supported,\n    counters)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    problems = lz.mismatches(served=(("newtorch", "optim.py"),))
+    assert [p.split(" uses ")[1] for p in problems] == [
+        "torch._dynamo.mark_static_address, which the stand-in lacks",
+        "torch._dynamo.disable(fn, recursive, wrapping=False, cache=True), which the stand-in "
+        "does not accept",
+        "torch._dynamo.utils.counters, which the stand-in lacks"]
+    script = tmp_path / "fallback.py"
+    script.write_text(_FALLBACK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    warned = [line for line in lines if line.startswith("ddpflow: warning: torch._dynamo")]
+    assert len(warned) == 2, proc.stderr  # once for each cause (the record was reset)
+    assert "installing it failed (RuntimeError: simulated)" in warned[0]
+    assert "mark_static_address, which the stand-in lacks (and 2 more)" in warned[1]
+    assert "install fails: False False" in lines
+    assert "mismatch: False False False" in lines
+    assert "real: True True" in lines

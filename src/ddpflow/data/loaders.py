@@ -11,6 +11,7 @@ per (seed, epoch, step, rank). So for the same seed they yield the same batches:
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -232,7 +233,6 @@ class TrainBatches:
                 x, y = apply_recipe(x, y, self.recipe, g, (self.seed, epoch, step, self.rank))
             yield x, y
 
-
     def _on_device(self, batch):
         """A workers' batch on the training device; unreadable samples reported and left out."""
         if self.gpu_decode:
@@ -258,34 +258,37 @@ def upload(images, labels, idx, device: torch.device, bad: BadSamples,
     """Rows idx of a split as device tensors (uint8 images, int64 labels), without its
     unreadable samples. The device tensor is allocated once and filled chunk by chunk, so
     host memory holds one chunk (about chunk_bytes) at a time, never the split: 8 ranks x a
-    40 GB set would not fit a node's RAM. On a GPU each chunk goes through a pinned staging
-    buffer (a fast, asynchronous copy); two alternate, so reading the next chunk from the
-    memmap overlaps the copy of the last."""
+    40 GB set would not fit a node's RAM. On a GPU each chunk's images and labels go
+    through pinned staging buffers (fast, asynchronous copies); two alternate, so reading
+    the next chunk from the memmap overlaps the copies of the last."""
     idx = np.asarray(idx, dtype=np.int64)
     row_bytes = max(1, int(np.prod(images.shape[1:], dtype=np.int64)))
     rows = max(1, min(len(idx), chunk_bytes // row_bytes))
     x = torch.empty((len(idx), *images.shape[1:]), dtype=torch.uint8, device=device)
     y = torch.empty(len(idx), dtype=torch.long, device=device)
     cuda = device.type == "cuda"
-    staging = [torch.empty((rows, *images.shape[1:]), dtype=torch.uint8, pin_memory=True)
+    staging = [(torch.empty((rows, *images.shape[1:]), dtype=torch.uint8, pin_memory=True),
+                torch.empty(rows, dtype=torch.long, pin_memory=True))
                for _ in range(2)] if cuda else []
-    copied = [None, None]  # the event after each staging buffer's last copy
+    copied = [None, None]  # the event after each staging pair's last copies
     kept = 0
     for k, start in enumerate(range(0, len(idx), rows)):
         part, lab, _, lost = read_rows(images, labels, idx[start:start + rows])
         bad.note(lost)
         m = len(lab)
         if cuda:
-            buf, slot = staging[k % 2], k % 2
+            (bx, by), slot = staging[k % 2], k % 2
             if copied[slot] is not None:
-                copied[slot].synchronize()  # sync point: this buffer's last copy is done
-            buf[:m].numpy()[...] = part
-            x[kept:kept + m].copy_(buf[:m], non_blocking=True)
+                copied[slot].synchronize()  # sync point: this pair's last copies are done
+            bx[:m].numpy()[...] = part
+            by[:m].numpy()[...] = lab
+            x[kept:kept + m].copy_(bx[:m], non_blocking=True)
+            y[kept:kept + m].copy_(by[:m], non_blocking=True)
             copied[slot] = torch.cuda.Event()
             copied[slot].record()
         else:
             x[kept:kept + m].copy_(torch.from_numpy(np.ascontiguousarray(part)))
-        y[kept:kept + m].copy_(torch.from_numpy(np.asarray(lab, dtype=np.int64)))
+            y[kept:kept + m].copy_(torch.from_numpy(np.asarray(lab, dtype=np.int64)))
         kept += m
     if cuda:
         torch.cuda.current_stream(device).synchronize()  # the staging buffers are freed next
@@ -311,26 +314,55 @@ def val_batches(images, labels, device, world, rank, normalize, resident=False,
                 image_size: int | None = None, split: str = "val", max_bad: float = 0.0):
     """(batch size) -> this rank's strided share of a validation (or test) split, in order,
     with the evaluation's centre crop to image_size. resident (the device loader): the
-    share is copied to the device at the first validation and stays there."""
+    share is copied to the device at the first validation and stays there. Streamed: a
+    thread reads (decodes) the next batch, into pinned memory on a GPU, while this one runs."""
     size = image_size or images.shape[1]
     idx = np.arange(rank, len(labels), world)
     bad = BadSamples(split, len(labels), max_bad, rank)
     kept = {}
+    pin = device.type == "cuda"
+
+    def read(part):
+        x, y, _, lost = read_rows(images, labels, part)
+        return host_batch(x, pin), host_batch(np.asarray(y, dtype=np.int64), pin), lost
 
     def batches(batch_size: int):
         if resident and not kept:
             kept["x"], kept["y"] = upload(images, labels, idx, device, bad)
-        n = len(kept["y"]) if resident else len(idx)
-        for i in range(0, n, batch_size):
-            if resident:
-                x, y = kept["x"][i:i + batch_size], kept["y"][i:i + batch_size]
-            else:
-                x, y, _, lost = read_rows(images, labels, idx[i:i + batch_size])
-                bad.note(lost)
-                x = torch.from_numpy(x).to(device, non_blocking=True)
-                y = torch.from_numpy(y).long().to(device, non_blocking=True)
+        if resident:
+            for i in range(0, len(kept["y"]), batch_size):
+                yield (center_crop(normalize(kept["x"][i:i + batch_size]), size),
+                       kept["y"][i:i + batch_size])
+            return
+        parts = (idx[i:i + batch_size] for i in range(0, len(idx), batch_size))
+        for x, y, lost in read_ahead(read, parts):
+            bad.note(lost)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             yield center_crop(normalize(x), size), y
     return batches
+
+
+def host_batch(a: np.ndarray, pin: bool) -> torch.Tensor:
+    """A host array as a tensor, page-locked when `pin` (a GPU's copy of it then runs
+    asynchronously: from pageable memory a non_blocking copy is a blocking one)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory() if pin else t
+
+
+def read_ahead(read, parts):
+    """read(part) for each of parts, in order, one part ahead in a thread: reading and
+    decoding the next batch overlaps the work on this one (stopping waits for that read)."""
+    parts = iter(parts)
+    first = next(parts, None)
+    if first is None:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="ddpflow-read") as pool:
+        pending = pool.submit(read, first)
+        for part in parts:
+            following = pool.submit(read, part)  # runs once `pending` is read
+            yield pending.result()
+            pending = following
+        yield pending.result()
 
 
 def choose_loader(setting: str, nbytes: int, device: torch.device, fraction: float,

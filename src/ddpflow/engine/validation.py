@@ -81,27 +81,35 @@ class Validator:
 
 
 class MetricSums:
-    """A task's validation metrics: (sum, count) per name, added up on the device, summed
-    across ranks once by `reduce`, reported as {"val_<name>": sum / count}."""
+    """A task's validation metrics: (sum, count) per name, added up where each is (device
+    tensors on the device, Python numbers on the host: no copy to the device per batch),
+    summed across ranks once by `reduce`, reported as {"val_<name>": sum / count}."""
 
     def __init__(self, task, task_name: str, device):
         self.task, self.task_name, self.device = task, task_name, device
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, list] = {}  # name -> [sum, count], each a tensor or a number
 
     def add(self, outputs, batch) -> None:
         values = dict(metric_pairs(self.task.metrics(outputs, batch), self.task_name))
         if "loss" not in values:  # the training loss, weighted by the batch size
             n = next(iter(values.values()))[1] if values else len(batch[1])
             values["loss"] = (self.task.loss(outputs, batch).float() * n, n)
-        for name, (total, count) in values.items():
-            pair = torch.stack([torch.as_tensor(total, device=self.device).double(),
-                                torch.as_tensor(count, device=self.device).double()])
-            self.sums[name] = self.sums[name] + pair if name in self.sums else pair
+        for name, pair in values.items():
+            held = self.sums.setdefault(name, [0, 0])
+            for i, v in enumerate(pair):
+                held[i] = held[i] + (v.double() if isinstance(v, torch.Tensor) else v)
 
     def reduce(self, d) -> dict[str, float]:
         # ranks agree on the names first: a rank without validation batches has none
         names = sorted(set().union(*distributed.gather_objects(d, sorted(self.sums))))
-        zero = torch.zeros(2, dtype=torch.float64, device=self.device)
-        totals = distributed.all_sum(d, torch.stack([self.sums.get(k, zero) for k in names]))
+        pairs = [self.sums.get(k, [0, 0]) for k in names]
+        # the host's numbers in one tensor (one copy per validation), the device's added
+        host = torch.tensor([[0.0 if isinstance(v, torch.Tensor) else float(v) for v in p]
+                             for p in pairs], dtype=torch.float64, device=self.device)
+        for row, p in zip(host, pairs):
+            for i, v in enumerate(p):
+                if isinstance(v, torch.Tensor):
+                    row[i] += v.to(self.device).sum()
+        totals = distributed.all_sum(d, host.reshape(len(names), 2))
         return {f"val_{k}": (t / c if c else float("nan"))
                 for k, (t, c) in zip(names, totals.tolist())}

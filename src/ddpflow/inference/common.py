@@ -87,7 +87,8 @@ def preprocess(mean, std, image_size: int, channels: int, device):
     """uint8 NHWC stored-size images -> normalised float NCHW at image_size: validation's
     own Normalize and centre crop (loaders.val_batches), so the numbers are the same."""
     norm = Normalize(mean, std, device, channels, channels_last=False)
-    return lambda x: crops.center_crop(norm(x.to(device)), image_size).contiguous()
+    return lambda x: crops.center_crop(norm(x.to(device, non_blocking=True)),
+                                   image_size).contiguous()
 
 
 def image_files(args: list[str]) -> list[str]:
@@ -126,20 +127,42 @@ def decode(files: list[str], store_size: int, grayscale: bool):
 
 def scores(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) -> dict:
     """Top-1, top-5, mean cross-entropy, confusion matrix and per-class precision, recall
-    and F1 of a whole split (all ranks' outputs, gathered)."""
-    n = len(labels)
-    loss = torch.nn.functional.cross_entropy(logits.float(), labels).item() if n else None
-    k = min(5, num_classes)
-    top = logits.topk(k, 1).indices
-    pred = top[:, 0]
-    conf = torch.zeros(num_classes, num_classes, dtype=torch.long)
-    conf.index_put_((labels, pred), torch.ones_like(labels), accumulate=True)
-    tp = conf.diag().double()
-    precision = tp / conf.sum(0).clamp(min=1)
-    recall = tp / conf.sum(1).clamp(min=1)
-    f1 = 2 * precision * recall / (precision + recall).clamp(min=1e-12)
-    return {"samples": n, "acc": (pred == labels).double().mean().item() if n else None,
-            "top5": (top == labels[:, None]).any(1).double().mean().item() if n else None,
-            "loss": loss, "confusion": conf.tolist(),
-            "per_class": {"precision": precision.tolist(), "recall": recall.tolist(),
-                          "f1": f1.tolist(), "support": conf.sum(1).tolist()}}
+    and F1 of these outputs (Tally, all at once)."""
+    tally = Tally(num_classes, logits.device)
+    tally.add(logits, labels)
+    return tally.scores()
+
+
+class Tally:
+    """Classification scores added up batch by batch where the outputs are (the device):
+    the confusion matrix, the summed cross-entropy and the top-5 hits; no outputs are kept.
+    Ranks add their tallies together (evaluate.combine), `scores` reads the total."""
+
+    def __init__(self, num_classes: int, device):
+        self.num_classes = num_classes
+        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.long, device=device)
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, top-5 hits
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        logits = logits.float()
+        top = logits.topk(min(5, self.num_classes), 1).indices
+        self.confusion.index_put_((labels, top[:, 0]), torch.ones_like(labels),
+                                  accumulate=True)
+        self.sums += torch.stack([
+            torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double(),
+            (top == labels[:, None]).any(1).sum().double()])
+
+    def scores(self) -> dict:
+        """The figures of everything added (read to the host: a sync point)."""
+        conf = self.confusion.cpu()
+        loss, top5 = self.sums.tolist()
+        n = int(conf.sum())
+        tp = conf.diag().double()
+        precision = tp / conf.sum(0).clamp(min=1)
+        recall = tp / conf.sum(1).clamp(min=1)
+        f1 = 2 * precision * recall / (precision + recall).clamp(min=1e-12)
+        return {"samples": n, "acc": tp.sum().item() / n if n else None,
+                "top5": top5 / n if n else None, "loss": loss / n if n else None,
+                "confusion": conf.tolist(),
+                "per_class": {"precision": precision.tolist(), "recall": recall.tolist(),
+                              "f1": f1.tolist(), "support": conf.sum(1).tolist()}}

@@ -2,7 +2,8 @@
 the node's ranks with torchrun like training.
 
     launcher  checks the stage and the data, runs torchrun (`ddpflow evaluate-rank`)
-    each rank its strided share, in fp32, outputs gathered to rank 0 (one collective)
+    each rank its strided share, in fp32, scored on its device as batches come (the
+              next read ahead); the confusion matrices and sums reduced to rank 0
     rank 0    top-1, top-5, loss, per-class precision/recall/F1, the confusion matrix:
               metrics.json, per_class.csv and confusion.png in
               results/<run>/evaluate/<stage>/<split>-<weights>/ (written atomically)
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ddpflow.config import Config
 from ddpflow.core import reading, writing
@@ -22,13 +24,14 @@ from ddpflow.core.errors import UserError
 from ddpflow.core.quoting import write_csv
 from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import imagefolder, prepared
+from ddpflow.data.loaders import host_batch, read_ahead
 from ddpflow.data.prepare import check_settings
 from ddpflow.data.splits import SPLIT_LIKE
 from ddpflow.engine import distributed
 from ddpflow.inference.common import (
+    Tally,
     decode,
     preprocess,
-    scores,
     stage_model,
     stage_weights,
     warn_if_stale,
@@ -138,7 +141,8 @@ def _meta(cfg: Config) -> dict:
 
 def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: str,
               out: Path) -> None:
-    """One rank: its share of the images through the model, gathered on rank 0."""
+    """One rank: its share of the images through the model, scored on its device; the
+    ranks' tallies summed on rank 0."""
     d = distributed.setup(cfg.hardware)
     meta, arrays = prepared.load(cfg.data_dir)
     model, record = stage_model(cfg, meta, stage, weights)
@@ -151,31 +155,57 @@ def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: 
         x, kept, bad = decode([files[i] for i in mine], cfg.data.store_size, cfg.data.grayscale)
         skipped = [(files[mine[i]], why) for i, why in bad.items()]
         idx = np.array([mine[i] for i in kept], dtype=np.int64)
-        y = labels[idx]
+        y, n = labels[idx], len(files)
 
         def rows(a, b):
             return x[a:b]
     else:
         x_all, y_all = arrays[split]
         idx = share(len(y_all), d.rank, d.world)
-        y, skipped = y_all[idx], []
+        y, skipped, n = y_all[idx], [], len(y_all)
 
         def rows(a, b):  # read (JPEG shards: decode) one batch at a time
             return x_all[idx[a:b]]
-    logits = []
-    with torch.no_grad():  # fp32: the figures predict and export compare against
-        for i in range(0, len(idx), BATCH):
-            logits.append(model(pre(torch.from_numpy(np.array(rows(i, i + BATCH)))))
-                          .float().cpu())
-    mine = (idx, torch.cat(logits) if logits else torch.zeros(0, meta["num_classes"]),
-            torch.as_tensor(np.asarray(y), dtype=torch.long), skipped)
-    gathered = distributed.gather_objects(d, mine)  # a collective: every rank's outputs
-    if d.is_master:
-        each_once(np.concatenate([g[0] for g in gathered]),
-                  len(files) if images else len(y_all), sum(len(g[3]) for g in gathered))
-        _write(cfg, meta, gathered, out, {"stage": stage, "split": images or split,
-                                          "weights": record, "world_size": d.world})
+    tally = run_share(model, pre, rows, y, meta["num_classes"], d.device)
+    total = combine(d, tally, idx, skipped)  # rank 0 only: the sum of every rank's
+    if total is not None:
+        tally, every, skipped = total
+        each_once(every, n, len(skipped))
+        _write(cfg, meta, tally.scores(), skipped, out, {
+            "stage": stage, "split": images or split, "weights": record, "world_size": d.world})
     distributed.teardown(d)
+
+
+def run_share(model, pre, rows, labels, num_classes: int, device, batch: int = BATCH) -> Tally:
+    """This rank's images (rows(a, b): the a-th to b-th) through the model in fp32 (the
+    figures predict and export compare against), scored on the device as they come. A
+    thread reads (decodes) the next batch meanwhile, into pinned memory for a GPU, so the
+    copy to the GPU is asynchronous; nothing is copied back per batch."""
+    tally = Tally(num_classes, device)
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.long).to(device)  # one copy
+    pin = device.type == "cuda"
+    ahead = read_ahead(lambda a: (a, host_batch(np.asarray(rows(a, a + batch)), pin)),
+                       range(0, len(y), batch))
+    with torch.no_grad():
+        for a, x in ahead:
+            tally.add(model(pre(x)), y[a:a + batch])
+    return tally
+
+
+def combine(d, tally: Tally, idx: np.ndarray, skipped: list):
+    """On rank 0: (every rank's tally summed, every rank's image numbers, every skipped
+    (file, reason)); None on the others. The tallies are reduced on the device (confusion
+    matrix and sums); only image numbers and skipped files travel as objects, to rank 0
+    alone: no rank receives another's outputs (collectives, sync points)."""
+    if not d.backend:
+        return tally, np.asarray(idx), skipped
+    dist.reduce(tally.confusion, dst=0)
+    dist.reduce(tally.sums, dst=0)
+    held = [None] * d.world if d.is_master else None
+    dist.gather_object((np.asarray(idx), skipped), held, dst=0)
+    if not d.is_master:
+        return None
+    return tally, np.concatenate([h[0] for h in held]), [s for h in held for s in h[1]]
 
 
 def share(n: int, rank: int, world: int) -> np.ndarray:
@@ -214,12 +244,8 @@ def _test_first(splits: list[str]) -> str:
     return next((c for c in splits if SPLIT_LIKE[c.lower()] == "test"), splits[0])
 
 
-def _write(cfg: Config, meta: dict, gathered: list, out: Path, head: dict) -> None:
-    idx = np.concatenate([g[0] for g in gathered])
-    order = np.argsort(idx, kind="stable")
-    logits = torch.cat([g[1] for g in gathered])[order]
-    labels = torch.cat([g[2] for g in gathered])[order]
-    result = scores(logits, labels, meta["num_classes"])
+def _write(cfg: Config, meta: dict, result: dict, skipped: list, out: Path,
+           head: dict) -> None:
     classes = meta["classes"]
     out = Path(out)
     pc = result["per_class"]
@@ -229,8 +255,8 @@ def _write(cfg: Config, meta: dict, gathered: list, out: Path, head: dict) -> No
               WHAT)
     plots.confusion(np.array(result["confusion"]), classes, out / "confusion.png",
                     f"{head['stage']} on {Path(str(head['split'])).name}")
-    skipped = [{"file": f, "reason": r} for g in gathered for f, r in g[3]]
     write_json_atomic(out / "metrics.json", {  # last: its presence means complete
-        **head, **result, "classes": classes, "skipped": skipped,
+        **head, **result, "classes": classes,
+        "skipped": [{"file": f, "reason": r} for f, r in skipped],
         "image_size": cfg.data.image_size, "store_size": cfg.data.store_size,
         "config_hash": cfg.hash, "data_fingerprint": meta.get("fingerprint")})
