@@ -197,6 +197,7 @@ def test_files_are_written_through_the_writing_boundary():
         "tracking/mlflowrun.py": "the unsent-log lines, appended in the stage folder",
         "launch/procs.py": "the pipe to the warm torchrun agent",
         "engine/runtime.py": "a test's per-rank trace file (DDPFLOW_TRACE), appended",
+        "core/teelog.py": "a job's log as its output comes (what `> log 2>&1` would write)",
     }
     outside = []
     for path in sorted(SRC.rglob("*.py")):

@@ -13,7 +13,8 @@ CHILD = r"""
 import sys
 print("plain output, log only")
 sys.stdout.flush()
-sys.stderr.write("ddpflow: stage 'a': 2 rank(s) on cpu\n[a]  5%|#  | 1/20\r[a] step 4/20: loss 2.1\n")
+sys.stderr.write("ddpflow: stage 'a': 2 rank(s) on cpu\n")
+sys.stderr.write("[a]  5%|#  | 1/20\r[a] step 4/20: loss 2.1\n")
 sys.stderr.write("[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: bad shape\n")
 sys.stderr.write("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
 sys.stderr.write("ddpflow: error: the end, without a newline")

@@ -90,6 +90,11 @@ def test_workflow_logs_to_a_real_mlflow_server_and_survives_its_absence(tmp_path
     named, runs = _runs(c, exp.experiment_id)
     assert sorted(named) == ["a", "b", "wf"], sorted(named)
     parent = named["wf"].info.run_id
+    # the workflow's own run: the resolved config and the headline, to compare runs by
+    top = named["wf"].data
+    assert top.params["stages.1.lr"] == "0.02" and top.params["run"] == "wf"
+    assert {"final_val_acc", "best_val_acc", "test_acc", "test_split_acc"} <= set(top.metrics)
+    assert top.tags["ddpflow.config_hash"]
     for stage, lr in (("a", "0.1"), ("b", "0.02")):
         run = named[stage]
         assert run.data.tags["mlflow.parentRunId"] == parent  # nested under the workflow run
@@ -180,13 +185,15 @@ def test_sweep_trials_nest_under_the_sweeps_run(tmp_path, monkeypatch):
     by_name = {}
     for r in runs.values():
         by_name.setdefault(r.info.run_name, []).append(r)
+    # a trial's stage run is named trial/stage: every trial has a stage "a"
     assert sorted((k, len(v)) for k, v in by_name.items()) == [
-        ("a", 2), ("lr-0.1-aaaaaa", 1), ("lr-0.2-bbbbbb", 1), ("sw", 1)]
+        ("lr-0.1-aaaaaa", 1), ("lr-0.1-aaaaaa/a", 1), ("lr-0.2-bbbbbb", 1),
+        ("lr-0.2-bbbbbb/a", 1), ("sw", 1)]
     sweep_id = by_name["sw"][0].info.run_id
     assert by_name["sw"][0].info.status == "FINISHED"
-    for stage_run in by_name["a"]:
+    for stage_run in by_name["lr-0.1-aaaaaa/a"] + by_name["lr-0.2-bbbbbb/a"]:
         trial = runs[stage_run.data.tags["mlflow.parentRunId"]]
-        assert trial.info.run_name.startswith("lr-")
+        assert stage_run.info.run_name == trial.info.run_name + "/a"
         assert trial.data.tags["mlflow.parentRunId"] == sweep_id
     assert not (tmp_path / "unsent.jsonl").exists()
 

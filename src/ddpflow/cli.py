@@ -18,7 +18,6 @@ import errno
 import os
 import signal
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -26,7 +25,7 @@ import yaml
 from ddpflow import __version__
 from ddpflow.config import from_dict, load_config
 from ddpflow.core import reading
-from ddpflow.core.errors import Stopped, UserError
+from ddpflow.core.errors import Stopped, UserError, stop_raises
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -156,23 +155,9 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 def _prepare(cfg, force=False, verify=False) -> None:
     from ddpflow.data.prepare import describe, prepare
 
-    with _stop_raises():  # a stopped build removes its partial folder, as on Ctrl-C
+    with stop_raises():  # a stopped build removes its partial folder, as on Ctrl-C
         meta, did = prepare(cfg, force=force, verify=verify)
     print(describe(meta, cfg.data_dir, did))
-
-
-@contextmanager
-def _stop_raises():
-    """SIGTERM raises Stopped inside the block (otherwise it ends the process at once, with
-    no message and no clean-up)."""
-    def stop(signum, _frame):
-        raise Stopped(signum)
-
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def _resolved(path: str):
@@ -281,7 +266,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.command == "sweep" and args.action == "collect":
         from ddpflow.sweeps.leaderboard import collect
 
-        with _stop_raises():  # a stopped collect keeps none of its part-written leaderboard
+        with stop_raises():  # a stopped collect keeps none of its part-written leaderboard
             text = collect(cfg, args.logs)
         print(text, end="")
         return 0
@@ -299,6 +284,8 @@ def _command(cfg, args) -> int:
             from ddpflow.sweeps.plan import plan
 
             print(f"# sweep of {len(plan(cfg))} trial(s), each valid", file=sys.stderr)
+        from ddpflow.launch.slurmsizes import resolved  # Slurm sizes left open: from sinfo
+        cfg = resolved(cfg)
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         print(f"# config hash {cfg.hash}", file=sys.stderr)
         return 0
@@ -308,7 +295,7 @@ def _command(cfg, args) -> int:
     if args.command == "collect":
         from ddpflow.results.collect import collect
 
-        with _stop_raises():  # a stopped collect keeps none of its part-written report
+        with stop_raises():  # a stopped collect keeps none of its part-written report
             collect(cfg)
         print((cfg.run_dir / "summary" / "headline.txt").read_text(), end="")
         return 0
@@ -361,13 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     log = build_parser().parse_known_args(argv)[0].log if asked else None
     if not log:
         return _main(argv)
-    from ddpflow.core.teelog import tee_log
+    from ddpflow.core.teelog import run_logged
 
-    with tee_log(Path(log)) as tee:  # the one-line error is in the log and on the console
-        rc = _main(argv)
-    if rc and tee.last_error:  # a crash, not a mistake: the cause, without the traceback
-        print(f"ddpflow: the last exception in {log}: {tee.last_error}", file=sys.stderr)
-    return rc
+    return run_logged(Path(log), lambda: _main(argv))  # the one-line error: log and console
 
 
 def _main(argv: list[str]) -> int:

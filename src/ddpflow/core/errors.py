@@ -4,6 +4,9 @@ The CLI prints its message on one line and exits non-zero, without a traceback.
 Anything else that escapes is a bug in ddpflow and keeps its traceback.
 """
 
+import signal
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """A problem in the user's input; the message says what is wrong and what to do."""
@@ -18,6 +21,20 @@ class Stopped(BaseException):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+@contextmanager
+def stop_raises():
+    """SIGTERM raises Stopped inside the block (otherwise it ends the process at once, with
+    no message and no clean-up)."""
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def short(value, limit: int = 80) -> str:

@@ -51,6 +51,16 @@ def _pump(read_fd: int, log, console_fd: int, shown: re.Pattern, tee: Tee) -> No
     os.close(read_fd)
 
 
+def run_logged(path: Path, command) -> int:
+    """command() (returning an exit code) with its output teed into `path`; after a crash
+    (not a mistake: that is already one ddpflow line) its cause on the console."""
+    with tee_log(path) as tee:
+        rc = command()
+    if rc and tee.last_error:
+        print(f"ddpflow: the last exception in {path}: {tee.last_error}", file=sys.stderr)
+    return rc
+
+
 @contextmanager
 def tee_log(path: Path, shown: re.Pattern = SHOWN):
     """Inside the block, file descriptors 1 and 2 go to `path` (truncated, as `> path 2>&1`

@@ -31,6 +31,7 @@ from ddpflow.results.provenance import git_revision, stage_result
 from ddpflow.results.report import render
 from ddpflow.results.summary import read_summary, result_text, summary_problem
 from ddpflow.tracking.mlflowrun import finish_workflow_run
+from ddpflow.tracking.records import flat
 
 COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
            "final_val_acc", "best_val_acc",
@@ -204,9 +205,22 @@ def _collect(cfg: Config, out: Path, repo: Path | None) -> dict:
     write_text_atomic(out / "report.html", render(cfg, summary, man, figures, metric))
     write_text_atomic(out / "headline.txt", headline(cfg, rows, evaluation))
     write_json_atomic(out / "summary.json", summary)  # last: it says the collect finished
-    finish_workflow_run(cfg, [out / n for n in OUTPUTS]
-                        + sorted(out.glob("*.png")) + folders)  # tracking.mlflow: the report
+    finish_workflow_run(cfg, [out / n for n in OUTPUTS]  # tracking.mlflow: the report
+                        + sorted(out.glob("*.png")) + folders, params=flat(cfg.to_dict()),
+                        metrics=headline_metrics(rows, evaluation))
     return summary
+
+
+def headline_metrics(rows: list[dict], evaluation: dict | None) -> dict:
+    """The run's figures as its MLflow run shows them: the last stage's final and best
+    validation metrics, its test metrics, and `ddpflow evaluate`'s test split accuracy."""
+    last = rows[-1] if rows else {}
+    out = {k: v for k, v in last.items()
+           if k.startswith(("final_val_", "best_val_", "test_")) and isinstance(v, (int, float))
+           and not isinstance(v, bool)}
+    if evaluation and isinstance(evaluation.get("acc"), (int, float)):
+        out["test_split_acc"] = evaluation["acc"]
+    return out
 
 
 def held_out_results(cfg: Config, out: Path, figures: dict) -> tuple:

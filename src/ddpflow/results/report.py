@@ -17,7 +17,8 @@ from ddpflow.core.quoting import html_text
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}
 h1{font-size:1.6em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:.5em 0;display:block;max-width:100%;overflow-x:auto}td,th{padding:.3em .7em;border:1px solid #ccc}
+table{border-collapse:collapse;margin:.5em 0;display:block;max-width:100%;overflow-x:auto}
+td,th{padding:.3em .7em;border:1px solid #ccc}
 th{background:#f4f4f4;text-align:left}.bad{color:#b00020;font-weight:bold}
 .ok{color:#1b5e20}img{max-width:100%;border:1px solid #eee}pre{background:#f8f8f8;
 padding:1em;overflow:auto;font-size:.8em}

@@ -181,7 +181,9 @@ class StageSink:
         self.c = client(self.uri)
         exp = experiment_id(self.c, self.cfg.tracking.mlflow.experiment)
         parent = workflow_run(self.c, self.cfg, exp)
-        self.run_id = ensure_run(self.c, exp, self.folder, self.stage, parent, self.uri,
+        # a sweep's trials all have stages of the same names: trial/stage tells them apart
+        name = f"{self.cfg.run}/{self.stage}" if sweep_root(self.cfg) else self.stage
+        self.run_id = ensure_run(self.c, exp, self.folder, name, parent, self.uri,
                                  key=p["key"], reuse=p["resume"])
         run = self.c.get_run(self.run_id)
         if run.data.params:  # a resumed (or re-sent) run: continue it, skip what it has
@@ -279,9 +281,29 @@ def send_unsent(cfg: Config, stage: str) -> bool:
     return False
 
 
-def finish_workflow_run(cfg: Config, artifacts: list[Path], sweep: bool = False) -> None:
+def log_headline(c, run_id: str, params: dict, metrics: dict, config_hash: str) -> None:
+    """The workflow's run gets its own params (the resolved config) and headline metrics, so
+    MLflow's run list compares runs by them. A param is written once (MLflow refuses a
+    changed value; the stages' runs hold each attempt's own); the tag names the config."""
+    from mlflow.entities import Metric, Param
+
+    have = c.get_run(run_id).data.params
+    new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in have]
+    for i in range(0, len(new), 100):  # MLflow takes 100 params per batch
+        c.log_batch(run_id, params=new[i:i + 100])
+    ts = int(time.time() * 1000)
+    values = [Metric(k, float(v), ts, 0) for k, v in metrics.items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if values:
+        c.log_batch(run_id, metrics=values)
+    c.set_tag(run_id, "ddpflow.config_hash", config_hash)
+
+
+def finish_workflow_run(cfg: Config, artifacts: list[Path], sweep: bool = False,
+                        params: dict | None = None, metrics: dict | None = None) -> None:
     """collect's part (or the leaderboard's, for a sweep's run): send what stages kept, add
-    the report files to the run and mark it finished. Warns, never raises."""
+    the report files, the run's params and headline metrics to the run and mark it
+    finished. Warns, never raises."""
     uri = cfg.tracking.mlflow.uri
     if not uri:
         return
@@ -295,6 +317,7 @@ def finish_workflow_run(cfg: Config, artifacts: list[Path], sweep: bool = False)
         exp = experiment_id(c, cfg.tracking.mlflow.experiment)
         run_id = (ensure_run(c, exp, cfg.run_dir, cfg.run, None, uri) if sweep
                   else workflow_run(c, cfg, exp))
+        log_headline(c, run_id, params or {}, metrics or {}, cfg.hash)
         for path in artifacts:
             if path.is_dir():
                 c.log_artifacts(run_id, str(path), artifact_path=path.name)
