@@ -46,9 +46,20 @@ def test_tensorboard_and_mlflow_across_stages_and_a_resume(tmp_path):
             assert steps == sorted(set(steps)), (tag, steps)  # increasing, no duplicates
     assert s1["val/acc"] == [16, 32]  # 1024 samples / (32 x 2 ranks) = 16 steps per epoch
     assert min(s2["train/loss"]) > max(s1["train/loss"]) and s2["val/acc"] == [32 + 16]
-    # the resolved config as hparams, with the stage's final metrics
-    hp = [p for p in (tb / "s2").rglob("events.out.tfevents.*")]
-    assert len(hp) >= 2  # scalars and the hparams summary
+    # the resolved config as hparams, its metrics the series logged during the stage: no
+    # single-point hparam/* charts
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(tb / "s2"))
+    acc.Reload()
+    assert not [t for t in acc.Tags()["scalars"] if t.startswith("hparam")], acc.Tags()
+    content = acc.PluginTagToContent("hparams")
+    exp = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
+    assert {m.name.tag for m in exp.experiment.metric_infos} == {"val/acc", "val/loss",
+                                                                 "val/top5"}
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    assert start.session_start_info.hparams["stages.1.lr"].number_value == 0.01
 
     # MLflow: the resumed s1 continued its one run (id kept in the stage folder), its points
     # are those of TensorBoard, none twice

@@ -80,6 +80,7 @@ class TensorBoard:
     def _run(self, purge_step: int) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
 
             writer = SummaryWriter(str(self.folder), purge_step=purge_step or None)
         except Exception as e:  # noqa: BLE001 - a tracker never fails training
@@ -97,7 +98,12 @@ class TensorBoard:
                     writer.add_scalar(tag, v, step)
             else:  # hparams with the final metrics
                 hp, metrics = payload
-                writer.add_hparams(hp, metrics, run_name=".")
+                # the hparams summaries alone: the HParams table reads each metric's value from
+                # the scalar series of the same tag (val/acc, ...), so no single-point chart per
+                # metric is drawn (add_hparams would write one, hparam/*)
+                file_writer = writer._get_file_writer()
+                for summary in hparams(hp, metrics):
+                    file_writer.add_summary(summary)
         writer.close()
 
     def record(self, rec: dict) -> None:
@@ -106,8 +112,10 @@ class TensorBoard:
             self.q.put(("scalars", (self.offset + int(rec.get("step", 0)), values)))
 
     def stage_end(self, config: dict, final_metrics: dict, artifacts: list) -> None:
-        metrics = {f"hparam/{k}": v for k, v in final_metrics.items()
-                   if isinstance(v, (int, float))}
+        # val_acc -> val/acc: the tag its points were logged under during the stage
+        metrics = {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}": v
+                   for k, v in final_metrics.items()
+                   if isinstance(v, (int, float)) and k.startswith(("val_", "test_"))}
         self.q.put(("hparams", (flat(config), metrics)))
 
     def close(self, status: str) -> None:
