@@ -226,7 +226,13 @@ class MlflowStage:
         self.q: queue.Queue = queue.Queue()
         self.q.put(["open", {"key": key, "resume": resumed, "params": params}])
         self.thread = threading.Thread(target=self._run, name="ddpflow-mlflow", daemon=True)
-        self.thread.start()
+
+    def _started(self) -> queue.Queue:
+        """The sender starts with the first record (after the first step): importing mlflow
+        (seconds of Python) would otherwise compete with the start-up for the GIL."""
+        if self.thread.ident is None:
+            self.thread.start()
+        return self.q
 
     def _run(self) -> None:
         if self.resumed:  # the attempt this one resumes comes first, in its own run
@@ -242,14 +248,14 @@ class MlflowStage:
 
         values = scalars(rec)
         if values:
-            self.q.put(["metrics", {"step": self.offset + int(rec.get("step", 0)),
+            self._started().put(["metrics", {"step": self.offset + int(rec.get("step", 0)),
                                     "ts": int(time.time() * 1000), "values": values}])
 
     def stage_end(self, config: dict, final_metrics: dict, artifacts: list) -> None:
         self.artifacts = [str(a) for a in artifacts]
 
     def close(self, status: str) -> None:
-        self.q.put(["end", {"artifacts": self.artifacts, "status": status}])
+        self._started().put(["end", {"artifacts": self.artifacts, "status": status}])
         self.q.put(None)
         self.thread.join()
 

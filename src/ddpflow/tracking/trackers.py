@@ -75,7 +75,13 @@ class TensorBoard:
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, args=(offset + resume_step,),
                                        name="ddpflow-tensorboard", daemon=True)
-        self.thread.start()
+
+    def _started(self) -> queue.Queue:
+        """The writer thread starts with the first record (after the first step): importing
+        TensorBoard would otherwise compete with the start-up for the GIL."""
+        if self.thread.ident is None:
+            self.thread.start()
+        return self.q
 
     def _run(self, purge_step: int) -> None:
         try:
@@ -109,17 +115,17 @@ class TensorBoard:
     def record(self, rec: dict) -> None:
         values = scalars(rec)
         if values:
-            self.q.put(("scalars", (self.offset + int(rec.get("step", 0)), values)))
+            self._started().put(("scalars", (self.offset + int(rec.get("step", 0)), values)))
 
     def stage_end(self, config: dict, final_metrics: dict, artifacts: list) -> None:
         # val_acc -> val/acc: the tag its points were logged under during the stage
         metrics = {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}": v
                    for k, v in final_metrics.items()
                    if isinstance(v, (int, float)) and k.startswith(("val_", "test_"))}
-        self.q.put(("hparams", (flat(config), metrics)))
+        self._started().put(("hparams", (flat(config), metrics)))
 
     def close(self, status: str) -> None:
-        self.q.put(None)
+        self._started().put(None)
         self.thread.join()
 
 
