@@ -35,7 +35,9 @@ def tuned(tmp_path_factory):
         "from ddpflow.seams.models import SmallCNN\n\n"
         "def build(num_classes, in_channels):\n"
         "    return SmallCNN(num_classes, in_channels=in_channels)\n")
+    # data.loader auto (tiny_config pins device): the stage then takes tune's loader
     cfg = tiny_config(tmp, tune={"steps": 3, "start_batch": 8, "max_batch": 1024},
+                      data={"loader": "auto"},
                       model={"name": "mynet:build", "code_dir": str(tmp / "code")},
                       stages=[{"name": "s1", "max_steps": 6, "batch_size": "auto",
                                "precision": "auto", "channels_last": "auto"}])
@@ -71,6 +73,8 @@ def test_two_ranks_agree_on_the_smaller_memory(tuned):
     assert t["choice"]["batch_size"] == best["batch_size"] <= agreed
     assert {r["precision"] for r in t["precision"]} >= {"fp32", "bf16"}
     assert any(r["loader"] == "device" for r in t["loader"])
+    # a real tune on 2 ranks: the split went to the device once for all its candidates
+    assert t["device_loader"]["uploads"] == 1
     assert t["world_size"] == 2
 
 
@@ -107,7 +111,8 @@ def test_a_capped_rank_never_tries_what_does_not_fit(tmp_path):
     from ddpflow.engine.tunepace import Pace
     from ddpflow.seams.models import build_model
 
-    cfg = tiny_config(tmp_path, data={"train_size": 4096, "val_size": 256, "test_size": 0},
+    cfg = tiny_config(tmp_path, data={"train_size": 4096, "val_size": 256, "test_size": 0,
+                                      "loader": "auto"},
                       tune={"steps": 1, "start_batch": 16, "max_batch": 128},
                       stages=[{"name": "s1", "max_steps": 6, "batch_size": "auto",
                                "precision": "bf16"}])
@@ -118,7 +123,7 @@ def test_a_capped_rank_never_tries_what_does_not_fit(tmp_path):
     assert t["device_loader"]["allowed"] is False and "does not fit" in \
         t["device_loader"]["reason"]
     assert {r["loader"] for r in t["loader"]} == {"dataloader"}
-    assert t["choice"]["loader"] == "dataloader"
+    assert t["choice"]["loader"] == "dataloader" and t["device_loader"]["uploads"] == 0
     budget = t["batch_search"]["per_rank"][0]["budget_bytes"]
     assert budget == int(6 * 2**20 * (1 - c.tune.memory_margin))  # no dataset on the device
     for row in t["precision"]:

@@ -5,12 +5,16 @@ a different part of each image every epoch (FFCV-style "store big, crop on the f
 
     random_resized_crop   training: per sample a random box (a share `scale` of the area,
                           width/height in `ratio`, torchvision's 10 tries then the centre)
-                          and a mirror, resampled to image_size by one bilinear grid_sample
-                          over the whole batch (an affine map per sample; 2.3x faster than
-                          roi_align on a 2-core CPU)
+                          and a mirror, resampled to the size as torchvision's
+                          resize(antialias=True) resamples the cropped box: per sample
+                          a row and a column weight matrix (its antialiased bilinear
+                          filter), the whole batch in two batched matmuls
     center_crop           validation, test, evaluate and predict: resize to
                           image_size / 0.875, keep the centre image_size (the standard
                           evaluation crop); nothing when the stored size is the image size
+
+Progressive resizing passes the epoch's size to either crop: one resampling, straight to
+that size (not a crop at image_size resized again).
 
 Both act on normalised float NCHW batches (the affine normalisation commutes with the
 bilinear resampling inside the image).
@@ -32,17 +36,21 @@ def eval_resize(image_size: int) -> int:
     return int(round(image_size / EVAL_CROP_FRACTION))
 
 
-def center_crop(x: torch.Tensor, image_size: int) -> torch.Tensor:
-    """[b, c, s, s] -> [b, c, image_size, image_size]: resize to image_size / 0.875 (bilinear,
-    antialiased), then the centre; unchanged when s == image_size."""
+def center_crop(x: torch.Tensor, image_size: int, out: int | None = None) -> torch.Tensor:
+    """[b, c, s, s] -> [b, c, out, out] (out: image_size unless progressive resizing trains
+    smaller): resize to out / 0.875 (bilinear, antialiased), then the centre; where no
+    margin is stored (s == image_size) the whole image, resized to out; unchanged when
+    s == out == image_size. One resampling either way."""
     s = x.shape[-1]
+    out = out or image_size
     if s == image_size:
-        return x
-    r = eval_resize(image_size)
+        return x if out == s else F.interpolate(x, size=(out, out), mode="bilinear",
+                                                antialias=True, align_corners=False)
+    r = eval_resize(out)
     if s != r:
         x = F.interpolate(x, size=(r, r), mode="bilinear", antialias=True, align_corners=False)
-    o = (r - image_size) // 2
-    return x[..., o:o + image_size, o:o + image_size]
+    o = (r - out) // 2
+    return x[..., o:o + out, o:o + out]
 
 
 def _boxes(b: int, h: int, w: int, scale, ratio, g: torch.Generator, device):
@@ -70,22 +78,44 @@ def _boxes(b: int, h: int, w: int, scale, ratio, g: torch.Generator, device):
     return torch.stack([left, top, cw, ch], 1)
 
 
+def _axis_weights(start, length, size: int, extent: int) -> torch.Tensor:
+    """[b, size, extent]: per sample, the weights that resample pixels start..start+length
+    of an axis (of extent pixels) to size pixels as PyTorch's antialiased bilinear resize
+    (torchvision's resize(antialias=True)) resamples that span cut out: a triangle filter,
+    widened by the scale when shrinking, normalised over the span's pixels."""
+    b, dev = start.shape[0], start.device
+    length = length.view(b, 1, 1).float()
+    scale = length / size  # input pixels per output pixel
+    support = scale.clamp(min=1.0)  # the filter's half-width, in input pixels
+    centre = scale * (torch.arange(size, device=dev).view(1, size, 1) + 0.5)
+    k = torch.arange(extent, device=dev).view(1, 1, extent) - start.view(b, 1, 1)
+    w = (1 - ((k + 0.5 - centre) / support).abs()).clamp(min=0)
+    w = w * ((k >= 0) & (k < length))
+    return w / w.sum(-1, keepdim=True)
+
+
+def crop_resize(x: torch.Tensor, boxes: torch.Tensor, size: int,
+                mirror: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, c, h, w] float, boxes [b, 4] (left, top, width, height) -> [b, c, size, size]:
+    each sample's box resampled to size (antialiased when shrinking, as torchvision), then
+    mirrored where `mirror` ([b] bool). Separable: rows then columns, as batched matmuls."""
+    b, _, h, w = x.shape
+    left, top, bw, bh = boxes.unbind(1)
+    rows = _axis_weights(top, bh, size, h).to(x.dtype)  # [b, size, h]
+    cols = _axis_weights(left, bw, size, w).to(x.dtype)  # [b, size, w]
+    if mirror is not None:
+        cols = torch.where(mirror.view(b, 1, 1), cols.flip(1), cols)
+    out = torch.matmul(torch.matmul(rows.unsqueeze(1), x), cols.unsqueeze(1).transpose(-1, -2))
+    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        out = out.contiguous(memory_format=torch.channels_last)  # the layout it was given
+    return out
+
+
 def random_resized_crop(x: torch.Tensor, size: int, scale, ratio, flip: bool,
                         g: torch.Generator) -> torch.Tensor:
-    """[b, c, h, w] float -> [b, c, size, size]: one random box per sample resampled to size,
-    mirrored with probability 0.5 when `flip`; the box and the mirror are one affine map per
-    sample, applied to the whole batch by one bilinear grid_sample."""
+    """[b, c, h, w] float -> [b, c, size, size]: one random box per sample resampled to size
+    (crop_resize: antialiased, one resampling), mirrored with probability 0.5 when `flip`."""
     b, _, h, w = x.shape
-    left, top, bw, bh = _boxes(b, h, w, scale, ratio, g, x.device).unbind(1)
-    mirror = torch.ones(b, device=x.device)
-    if flip:
-        mirror = torch.where(torch.rand(b, device=x.device, generator=g) < 0.5, -1.0, 1.0)
-    # output pixel (-1..1, edges) -> input: the box's centre plus half its extent, in the
-    # input's -1..1 coordinates (align_corners=False: pixel i spans [i, i + 1])
-    theta = torch.zeros(b, 2, 3, device=x.device, dtype=x.dtype)
-    theta[:, 0, 0] = bw / w * mirror
-    theta[:, 0, 2] = (left + bw / 2) / w * 2 - 1
-    theta[:, 1, 1] = bh / h
-    theta[:, 1, 2] = (top + bh / 2) / h * 2 - 1
-    grid = F.affine_grid(theta, [b, x.shape[1], size, size], align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    boxes = _boxes(b, h, w, scale, ratio, g, x.device)
+    mirror = torch.rand(b, device=x.device, generator=g) < 0.5 if flip else None
+    return crop_resize(x, boxes, size, mirror)

@@ -22,8 +22,9 @@ from ddpflow.config import Augment
 from ddpflow.core.errors import UserError
 from ddpflow.core.seeds import seed_sequence
 from ddpflow.data.crops import center_crop, random_resized_crop
-from ddpflow.data.mixing import Recipe, resize
+from ddpflow.data.mixing import Recipe
 from ddpflow.data.mixing import apply as apply_recipe
+from ddpflow.data.resident import read_rows, resident_split, upload
 from ddpflow.data.shards import JpegImages, decode_cuda
 
 
@@ -102,17 +103,6 @@ class Normalize:
         return x
 
 
-def read_rows(images, labels, idx):
-    """(uint8 images, labels, idx kept, [(index, reason)] unreadable) of rows idx: raw arrays
-    are read as they are, JPEG shards decoded on the CPU (in ascending file order)."""
-    idx = np.asarray(idx, dtype=np.int64)
-    if isinstance(images, JpegImages):
-        x, kept, bad = images.fetch(idx)
-        idx = idx[kept]
-        return x, labels[idx], idx, bad
-    return images[idx], labels[idx], idx, []
-
-
 class BadSamples:
     """Unreadable samples met while reading a split: each reported once; more than
     `fraction` of the split is a UserError naming the first (data.max_bad_fraction)."""
@@ -181,7 +171,7 @@ class TrainBatches:
     def __init__(self, kind, images, labels, batch_size, device, world, rank, seed, aug,
                  normalize, num_workers=0, pin_memory=False, persistent_workers=False,
                  prefetch_factor=2, trace=None, recipe: Recipe | None = None,
-                 image_size: int | None = None, max_bad: float = 0.0):
+                 image_size: int | None = None, max_bad: float = 0.0, resident=None):
         self.trace = trace  # optional text file: "epoch step idx..." per batch (an audit)
         self.image_size = image_size or images.shape[1]  # what training sees (<= stored)
         self.recipe = recipe if recipe is not None and recipe.active else None
@@ -194,9 +184,10 @@ class TrainBatches:
                            and device.type == "cuda")
         self.source = images
         if kind == "device":
-            # the whole split is copied (decoded) to the device once; steps only index it
-            self.images, self.labels = upload(images, labels, np.arange(len(labels)), device,
-                                              self.bad)
+            # the whole split is copied (decoded: once per node) to the device once; steps
+            # only index it. `resident`: the (images, labels) of an earlier upload, reused
+            self.images, self.labels = resident or resident_split(images, labels, device,
+                                                                  self.bad)
         self.sampler = EpochSampler(len(self.labels) if kind == "device" else len(labels),
                                     world, rank, seed)
         self.steps_per_epoch = self.sampler.num_samples // batch_size
@@ -226,9 +217,7 @@ class TrainBatches:
             if self.trace:
                 self.trace.write(f"{epoch} {step} {' '.join(map(str, idx.tolist()))}\n")
             g = step_generator(self.device, self.seed, epoch, step, self.rank)
-            x = self.transform(x, g)
-            if size:  # progressive resizing: this epoch's training size
-                x = resize(x, size)
+            x = self.transform(x, g, size)  # progressive resizing: this epoch's size
             if self.recipe:  # random erasing, mixup/cutmix of this stage (mixing.py)
                 x, y = apply_recipe(x, y, self.recipe, g, (self.seed, epoch, step, self.rank))
             yield x, y
@@ -243,56 +232,17 @@ class TrainBatches:
         self.bad.note(bad)
         return x, y, idx
 
-    def transform(self, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        """uint8 NHWC stored images -> normalised float NCHW at image_size: a random resized
-        crop and mirror, or pad-and-crop and mirror then the evaluation's centre crop."""
+    def transform(self, x: torch.Tensor, g: torch.Generator,
+                  size: int | None = None) -> torch.Tensor:
+        """uint8 NHWC stored images -> normalised float NCHW at `size` (progressive
+        resizing's size of the epoch; image_size without): a random resized crop and mirror,
+        or pad-and-crop and mirror then the evaluation's centre crop. Either resamples once,
+        to the size itself (antialiased when shrinking)."""
         rrc = self.aug.random_resized_crop
         if rrc:
-            return random_resized_crop(self.normalize(x), self.image_size, rrc["scale"],
-                                       rrc["ratio"], self.aug.flip, g)
-        return center_crop(self.normalize(augment(x, self.aug, g)), self.image_size)
-
-
-def upload(images, labels, idx, device: torch.device, bad: BadSamples,
-           chunk_bytes: int = 64 * 2**20) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows idx of a split as device tensors (uint8 images, int64 labels), without its
-    unreadable samples. The device tensor is allocated once and filled chunk by chunk, so
-    host memory holds one chunk (about chunk_bytes) at a time, never the split: 8 ranks x a
-    40 GB set would not fit a node's RAM. On a GPU each chunk's images and labels go
-    through pinned staging buffers (fast, asynchronous copies); two alternate, so reading
-    the next chunk from the memmap overlaps the copies of the last."""
-    idx = np.asarray(idx, dtype=np.int64)
-    row_bytes = max(1, int(np.prod(images.shape[1:], dtype=np.int64)))
-    rows = max(1, min(len(idx), chunk_bytes // row_bytes))
-    x = torch.empty((len(idx), *images.shape[1:]), dtype=torch.uint8, device=device)
-    y = torch.empty(len(idx), dtype=torch.long, device=device)
-    cuda = device.type == "cuda"
-    staging = [(torch.empty((rows, *images.shape[1:]), dtype=torch.uint8, pin_memory=True),
-                torch.empty(rows, dtype=torch.long, pin_memory=True))
-               for _ in range(2)] if cuda else []
-    copied = [None, None]  # the event after each staging pair's last copies
-    kept = 0
-    for k, start in enumerate(range(0, len(idx), rows)):
-        part, lab, _, lost = read_rows(images, labels, idx[start:start + rows])
-        bad.note(lost)
-        m = len(lab)
-        if cuda:
-            (bx, by), slot = staging[k % 2], k % 2
-            if copied[slot] is not None:
-                copied[slot].synchronize()  # sync point: this pair's last copies are done
-            bx[:m].numpy()[...] = part
-            by[:m].numpy()[...] = lab
-            x[kept:kept + m].copy_(bx[:m], non_blocking=True)
-            y[kept:kept + m].copy_(by[:m], non_blocking=True)
-            copied[slot] = torch.cuda.Event()
-            copied[slot].record()
-        else:
-            x[kept:kept + m].copy_(torch.from_numpy(np.ascontiguousarray(part)))
-            y[kept:kept + m].copy_(torch.from_numpy(np.asarray(lab, dtype=np.int64)))
-        kept += m
-    if cuda:
-        torch.cuda.current_stream(device).synchronize()  # the staging buffers are freed next
-    return x[:kept], y[:kept]
+            return random_resized_crop(self.normalize(x), size or self.image_size,
+                                       rrc["scale"], rrc["ratio"], self.aug.flip, g)
+        return center_crop(self.normalize(augment(x, self.aug, g)), self.image_size, size)
 
 
 def forever(make_epoch):

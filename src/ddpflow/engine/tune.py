@@ -11,8 +11,11 @@ Runs on every rank under torchrun, like training (`ddpflow tune` builds the line
      throughput of real DDP steps wins: not simply the largest.
   2. input pipeline: the device loader (only where `choose_loader` lets the dataset onto the
      device) vs DataLoader settings (workers, prefetch, pinning), by measured throughput.
+     The device loader's dataset is uploaded once per tune and shared by every candidate;
+     the allocator's cache is released between candidates (tunephases.py).
   3. precision and layout: fp32 (TF32 on, as training runs it), bf16, fp16 (with its
-     GradScaler); channels_last; torch.compile if asked. A candidate whose step does not fit
+     GradScaler); channels_last; torch.compile if asked. fp16 beats bf16 only when more
+     than 10% faster (tunephases.FP16_MARGIN). A candidate whose step does not fit
      at the chosen batch (fp32 needs about twice bf16's activations) is recorded as such and
      never run under DDP: an OOM inside DDP would kill the rank.
 The choices are greedy, one after the other, and rank 0's choice of each phase is broadcast,
@@ -169,6 +172,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         search = search_batch(p, precision)
         agreed = search["agreed"]
         choice, batch_rows, loader_rows, prec_rows = choose(p, agreed, precision, device_ok)
+        p.resident = None  # the uploaded dataset is not needed any more
     except TuneStopped as e:  # every rank at the same candidate: nothing is written
         pace.say(f"{e} received: stopping; tune.json is not written")
         distributed.teardown(d)
@@ -183,7 +187,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         "device_name": torch.cuda.get_device_name(d.device) if d.device.type == "cuda"
         else "cpu", "memory_margin": tc.memory_margin, "memory_cap_mb": cap_mb,
         "device_loader": {"allowed": device_ok, "dataset_bytes": nbytes,
-                          "reason": loader_reason},
+                          "reason": loader_reason, "uploads": p.uploads},
         "batch_search": {"per_rank": gathered, "agreed_max_batch": agreed,
                          "candidates": batch_rows},
         "loader": loader_rows, "precision": prec_rows, "choice": choice,
