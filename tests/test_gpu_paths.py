@@ -836,3 +836,499 @@ def test_the_dynamo_stand_in_fits_the_installed_torch_or_is_not_used(tmp_path, m
     assert "install fails: False False" in lines
     assert "mismatch: False False False" in lines
     assert "real: True True" in lines
+
+
+# ------------------------------------------------ channels_last: auto probes on every device
+class _ViewNet(nn.Module):
+    """Calls `.view` on a feature map: fine in NCHW, raises once channels_last makes the
+    map non-contiguous (the model that used to fail only on the GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.fc(h.view(h.shape[0], -1))
+
+
+def _decide(tmp_path, monkeypatch, model, device_type: str, deterministic=False):
+    """layout.decide() for `model` as on a `device_type` rank 0 (a CUDA rank is a stand-in:
+    its probe runs on the CPU); returns ((on, why), [shapes the probe ran])."""
+    from ddpflow.engine import distributed, layout
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    shapes, real = [], getattr(layout.probe, "real", layout.probe)
+
+    def spy(m, shape, autocast, device, reps=3):
+        shapes.append(tuple(shape))
+        assert device.type == device_type
+        return real(m, shape, autocast, torch.device("cpu"), reps)
+
+    spy.real = real
+    monkeypatch.setattr(layout, "probe", spy)
+    monkeypatch.setattr(layout, "device_name", lambda dev: f"stand-in {dev.type}")
+    d = distributed.Dist(0, 0, 1, torch.device(device_type), None)
+    got = layout.decide("auto", model, d, (6, 3, 8, 8), torch.autocast("cpu", enabled=False),
+                        deterministic, tmp_path / "layout.json", {"model": "view"})
+    return got, shapes
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_auto_layout_keeps_a_model_that_fails_in_channels_last_in_nchw(
+        tmp_path, monkeypatch, device_type):
+    """No "CUDA => NHWC" branch: a GPU rank probes like a CPU rank, at the stage's own batch
+    size, and a model whose `.view` fails in channels_last trains in NCHW (no crash)."""
+    model = _ViewNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    (on, why), shapes = _decide(tmp_path, monkeypatch, model, device_type)
+    assert on is False and shapes == [(6, 3, 8, 8)], (why, shapes)
+    assert "fails in channels_last" in why and "at batch 6" in why and "view" in why, why
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.conv.weight.is_contiguous()  # left in NCHW, no gradient
+    assert model.conv.weight.grad is None
+    kept = next(iter(json.loads((tmp_path / "layout.json").read_text()).values()))
+    assert kept["batch"] == 6 and kept["channels_last_s"] is None
+    # the kept answer is reused (no second probe), on rank 0 as on a resume
+    (on2, why2), shapes2 = _decide(tmp_path, monkeypatch, model, device_type)
+    assert (on2, why2, shapes2) == (False, why, [])
+    # deterministic mode times nothing, but still runs one pass in channels_last
+    (on3, why3), shapes3 = _decide(tmp_path, monkeypatch, model, device_type, True)
+    assert on3 is False and shapes3 == [(6, 3, 8, 8)] and "fails in channels_last" in why3
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_auto_layout_probes_a_convnet_on_every_device(tmp_path, monkeypatch, device_type):
+    from ddpflow.seams.models import SmallCNN
+
+    (on, why), shapes = _decide(tmp_path, monkeypatch, SmallCNN(10, 3), device_type)
+    assert shapes == [(6, 3, 8, 8)] and "at batch 6" in why and "speed of NCHW" in why, why
+    kept = next(iter(json.loads((tmp_path / "layout.json").read_text()).values()))
+    assert on == (kept["nchw_s"] / kept["channels_last_s"] >= 1.05)
+    (on_d, why_d), _ = _decide(tmp_path / "det", monkeypatch, SmallCNN(10, 3), device_type,
+                               True)
+    assert on_d is True and "deterministic" in why_d
+
+
+def test_the_stage_probe_runs_at_the_stage_batch_size(tmp_path, monkeypatch):
+    from ddpflow.engine import layout
+
+    seen = []
+    monkeypatch.setattr(layout, "decide", lambda setting, model, d, shape, *a: seen.append(
+        shape) or (False, ""))
+    cfg = SimpleNamespace(data=SimpleNamespace(image_size=8), deterministic=False,
+                          run_dir=tmp_path, model=SimpleNamespace(name="m", kwargs={}))
+    d = SimpleNamespace(device=torch.device("cpu"))
+    layout.for_stage("auto", cfg, _ViewNet(), d, 48, 3, "fp32")
+    assert seen == [(48, 3, 8, 8)]  # not capped at 16: the batch the stage's steps run
+
+
+def _tune_probe(tmp_path, monkeypatch):
+    """A `ddpflow tune` rank's Probe on one CPU process over a small in-memory split, with
+    each candidate's timed steps stubbed out (what is counted here is built before them)."""
+    from ddpflow.config import from_dict
+    from ddpflow.engine import tunephases
+    from ddpflow.engine.distributed import Dist
+    from ddpflow.engine.tunepace import Pace
+    from ddpflow.seams.models import build_model
+
+    cfg = from_dict(tiny_config(tmp_path, tune={"steps": 1}))
+    d = Dist(0, 0, 1, torch.device("cpu"), None)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (64, 16, 16, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, 64)
+    meta = {"mean": [0.5] * 3, "std": [0.25] * 3, "image_shape": [16, 16, 3],
+            "num_classes": 10}
+    base = build_model(cfg.model, 10, 3)
+    monkeypatch.setattr(tunephases, "_throughput", lambda *a, **k: (100.0, 0.0))
+    return tunephases.Probe(cfg, cfg.stages[0], d, meta, images, labels, 3, base, 2**40, 0,
+                            Pace(d, 600, climb_by_throughput=False))
+
+
+def test_one_tune_uploads_the_device_dataset_once_and_empties_the_cache_between_candidates(
+        tmp_path, monkeypatch):
+    """Every candidate built its own TrainBatches, and the device loader's each uploaded
+    (decoded) the whole split again: 11-16 uploads per tune, with no cache release between
+    candidates. Now the split goes to the device once, every device-loader candidate
+    indexes the same tensors, and after each candidate its garbage is collected and the
+    allocator's cache emptied (torch.cuda.empty_cache and gc.collect are stand-ins here:
+    release() is given a "cuda" device)."""
+    from ddpflow.data import loaders, resident
+    from ddpflow.engine import tunephases
+
+    p = _tune_probe(tmp_path, monkeypatch)
+    events, held = [], []
+    real_upload, real_release, real_measure = (resident.upload, tunephases.release,
+                                               tunephases.Probe.measure)
+    real_init = loaders.TrainBatches.__init__
+
+    def init(tb, *a, **k):
+        real_init(tb, *a, **k)
+        if tb.kind == "device":
+            held.append(tb.images.data_ptr())
+
+    def upload(*a, **k):
+        events.append("upload")
+        return real_upload(*a, **k)
+
+    def measure(self, batch, loader, *a):
+        events.append(f"measure {loader}")
+        return real_measure(self, batch, loader, *a)
+
+    monkeypatch.setattr(loaders.TrainBatches, "__init__", init)
+    monkeypatch.setattr(resident, "upload", upload)
+    monkeypatch.setattr(tunephases.Probe, "measure", measure)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(tunephases.gc, "collect", lambda: events.append("collect"))
+    monkeypatch.setattr(tunephases, "release",
+                        lambda device: real_release(SimpleNamespace(type="cuda")))
+    tunephases.choose(p, 16, "fp32", True)
+    measured = [e for e in events if e.startswith("measure")]
+    assert len(measured) >= 10 and "measure device" in measured
+    assert events.count("upload") == 1 and p.uploads == 1
+    assert len(held) > 1 and len(set(held)) == 1  # every device candidate: the same tensors
+    # each candidate is followed by a cache release before the next one starts
+    assert [e for e in events if e != "upload"] == [
+        e for m in measured for e in (m, "collect", "empty_cache")]
+
+
+@pytest.mark.parametrize("fp16, bf16, chosen", [
+    (1000.0, 950.0, "bf16"),  # 5% faster: noise, bf16
+    (1000.0, 910.0, "bf16"),  # 9.9%: still bf16
+    (1100.0, 1000.0, "bf16"),  # exactly 10%: not more than the margin
+    (1000.0, 900.0, "fp16"),  # 11.1%: clearly faster
+    (900.0, 1000.0, "bf16"),
+])
+def test_fp16_is_chosen_over_bf16_only_when_more_than_10_percent_faster(fp16, bf16, chosen):
+    from ddpflow.engine.tunephases import FP16_MARGIN, pick_precision_row
+
+    assert FP16_MARGIN == 1.10
+    rows = [{"precision": "fp32", "channels_last": False, "samples_per_s": 500.0},
+            {"precision": "bf16", "channels_last": False, "samples_per_s": bf16 * 0.9},
+            {"precision": "bf16", "channels_last": True, "samples_per_s": bf16},
+            {"precision": "fp16", "channels_last": True, "samples_per_s": fp16}]
+    best = pick_precision_row(rows)
+    assert best["precision"] == chosen
+    if chosen == "bf16":
+        assert best["channels_last"]  # bf16's fastest row, not any bf16 row
+    assert pick_precision_row(rows[:1] + rows[3:])["precision"] == "fp16"  # no bf16 measured
+
+
+def _batches(aug, size_at, monkeypatch):
+    """One progressive-resizing epoch of stored 24 px images trained at 16 px, on the
+    epoch's size_at; the crops and every resampling call are recorded."""
+    from ddpflow.data import crops, loaders
+
+    calls = []
+    real_rrc, real_interp = loaders.random_resized_crop, torch.nn.functional.interpolate
+    monkeypatch.setattr(loaders, "random_resized_crop",
+                        lambda x, size, *a: calls.append(("crop", size)) or real_rrc(x, size,
+                                                                                      *a))
+    monkeypatch.setattr(torch.nn.functional, "interpolate",
+                        lambda x, *a, **k: calls.append(("interpolate", k.get("size")))
+                        or real_interp(x, *a, **k))
+    monkeypatch.setattr(torch.nn.functional, "grid_sample",
+                        lambda *a, **k: calls.append(("grid_sample",)))
+    assert crops.F is torch.nn.functional
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (16, 24, 24, 3), dtype=np.uint8)
+    cpu = torch.device("cpu")
+    tb = loaders.TrainBatches("device", images, np.arange(16) % 10, 8, cpu, 1, 0, 0, aug,
+                              loaders.Normalize([0.5] * 3, [0.25] * 3, cpu, 3, False),
+                              image_size=16)
+    tb.size_at = size_at
+    return [x for x, _ in tb.epoch(1)], calls
+
+
+def test_progressive_resizing_crops_once_at_the_epochs_size(monkeypatch):
+    """The random resized crop went to image_size and mixing.resize then resampled that
+    again to the epoch's size (two resamplings, double blur). Now the crop is asked for the
+    epoch's size itself, and nothing resamples after it."""
+    from ddpflow.config import Augment
+
+    rrc = Augment(0, True, 0, {"scale": [0.3, 1.0], "ratio": [0.75, 1.33]})
+    xs, calls = _batches(rrc, lambda epoch: 12, monkeypatch)
+    assert [tuple(x.shape) for x in xs] == [(8, 3, 12, 12)] * 2
+    assert calls == [("crop", 12)] * 2  # one resampling a batch: no interpolate after it
+    # pad-and-crop then the centre crop: one antialiased resampling, to the epoch's size
+    xs, calls = _batches(Augment(2, True, 0), lambda epoch: 12, monkeypatch)
+    assert [tuple(x.shape) for x in xs] == [(8, 3, 12, 12)] * 2
+    assert calls == [("interpolate", (round(12 / 0.875),) * 2)] * 2
+
+
+def test_the_random_resized_crop_resamples_as_torchvision_with_antialiasing():
+    """grid_sample's bilinear taps read 4 pixels whatever the box's size: a box 3x larger
+    than the output aliased. Each box now resamples as torchvision's
+    resize(antialias=True) of the cut-out box (shrinking and enlarging), mirrored or not."""
+    from torchvision.transforms.v2 import functional as TF
+
+    from ddpflow.data.crops import center_crop, crop_resize
+
+    x = torch.rand(4, 3, 40, 36, generator=torch.Generator().manual_seed(0))
+    boxes = torch.tensor([[2., 5., 30., 20.], [0., 0., 36., 40.], [10., 3., 7., 9.],
+                          [4., 4., 32., 33.]])
+    mirror = torch.tensor([False, True, False, True])
+    for size in (8, 16, 24):
+        out = crop_resize(x, boxes, size, mirror)
+        for i, (left, top, bw, bh) in enumerate(boxes.long().tolist()):
+            ref = TF.resize(x[i:i + 1, :, top:top + bh, left:left + bw], [size, size],
+                            antialias=True)[0]
+            ref = ref.flip(-1) if mirror[i] else ref
+            assert torch.allclose(out[i], ref, atol=1e-5), (size, i)
+        plain = torch.nn.functional.interpolate(  # without antialiasing: visibly different
+            x[:1, :, 5:25, 2:32], size=(size, size), mode="bilinear", align_corners=False)
+        assert size == 24 or (out[0] - plain[0]).abs().max() > 0.05
+    # the centre crop at a smaller (progressive) size: the same antialiased resize
+    y = torch.rand(2, 3, 16, 16)
+    assert torch.allclose(center_crop(y, 16, 12), TF.resize(y, [12, 12], antialias=True))
+
+
+_SHARED_DECODE = """
+from pathlib import Path
+import numpy as np
+from ddpflow.data import resident, shards
+from ddpflow.data.loaders import BadSamples
+
+decoded = []
+real = shards.decode_many
+shards.decode_many = lambda bufs: decoded.extend(len(b) for b in bufs) or real(bufs)
+folder = Path(FOLDER)
+images = shards.JpegImages(folder, "train", (8, 8, 3),
+                           json.loads((folder / "recorded.json").read_text()))
+labels = np.load(folder / "train_labels.npy")
+bad = BadSamples("train", len(labels), 0.2, d.rank)
+x, y = resident.resident_split(images, labels, d.device, bad)
+print(json.dumps({"decoded": len(decoded), "x": x.flatten().tolist(), "y": y.tolist(),
+                  "bad": sorted(bad.seen)}), flush=True)
+distributed.teardown(d)
+"""
+
+
+def test_jpeg_shards_are_decoded_once_per_node_and_shared_by_its_ranks(tmp_path):
+    """With JPEG shards and the device loader every rank decoded the whole training split
+    (eight times the work on an 8-GPU node). Now each of 2 gloo ranks decodes its half and
+    the halves are exchanged: both ranks hold the full split, equal to one rank's decode,
+    with the damaged sample (a flipped byte: its CRC fails) left out and known to both."""
+    from ddpflow.data import shards
+    from ddpflow.data.loaders import BadSamples, upload
+
+    folder = tmp_path / "jpeg"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    n = 37  # odd: the shares differ in length
+    shards.write_split(folder, "train", rng.integers(0, 255, (n, 8, 8, 3), dtype=np.uint8),
+                       np.arange(n) % 10, quality=90, shard_bytes=4000)
+    index = np.load(folder / "train_index.npy")
+    k, off = int(index[5][0]), int(index[5][1])  # damage sample 5 (rank 0's half)
+    shard = folder / shards.shard_name("train", k)
+    data = bytearray(shard.read_bytes())
+    data[off + 20] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    recorded = {p.name: p.stat().st_size for p in folder.glob("*.jpgs")}
+    (folder / "recorded.json").write_text(json.dumps(recorded))
+    body = _SHARED_DECODE.replace("FOLDER", repr(str(folder)))
+    r0, r1 = two_ranks(tmp_path, body, name="shared_decode")
+    images = shards.JpegImages(folder, "train", (8, 8, 3), recorded)
+    x, y = upload(images, np.load(folder / "train_labels.npy"), np.arange(n),
+                  torch.device("cpu"), BadSamples("train", n, 0.2, 0))
+    assert len(y) == n - 1
+    assert (r0["decoded"], r1["decoded"]) == (18, 18)  # 19 and 18 read, one of 19 damaged
+    for r in (r0, r1):
+        assert r["x"] == x.flatten().tolist() and r["y"] == y.tolist()
+        assert r["bad"] == [5]
+
+
+# ------------------------------------------ predict --device cuda: what actually ran the model
+def _onnx_bundle(tmp_path) -> Path:
+    """A minimal 3-class bundle holding only model.onnx (no training needed)."""
+    from ddpflow.core.checksum import sha256_of
+    from ddpflow.core.writing import write_json_atomic
+
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 3)).eval()
+    torch.onnx.export(model, (torch.randn(2, 3, 16, 16),), str(bundle / "model.onnx"),
+                      dynamo=False, opset_version=17, input_names=["input"],
+                      output_names=["logits"], dynamic_axes={"input": {0: "batch"}})
+    write_json_atomic(bundle / "model.json", {
+        "format_version": 1, "task": "classification", "num_classes": 3,
+        "classes": ["cat", "dog", "fish"], "input": {"channels": 3}, "image_size": 16,
+        "store_size": 18, "grayscale": False, "mean": [0.5] * 3, "std": [0.25] * 3,
+        "files": {"onnx": {"file": "model.onnx", "sha256": sha256_of(bundle / "model.onnx")}}})
+    return bundle
+
+
+def test_predict_onnx_names_the_provider_that_ran_and_refuses_cuda_it_cannot_take(
+        tmp_path, monkeypatch, capsys):
+    """This machine's onnxruntime has no CUDA provider. With a GPU (a stand-in: CUDA said to
+    be available), --device cuda --format onnx is refused in one line naming the provider;
+    --device auto runs it on the CPU and says CPUExecutionProvider, never "cuda"."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has a CUDA provider")
+    from ddpflow.core.errors import UserError
+    from ddpflow.inference.predict import predict
+    from fixtures import image_tree
+
+    bundle, photos = _onnx_bundle(tmp_path), image_tree(tmp_path / "photos", per_class=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match="runs on CPUExecutionProvider only") as e:
+        predict(str(bundle), [str(photos)], str(tmp_path / "p.csv"), fmt="onnx",
+                device="cuda")
+    assert "\n" not in str(e.value) and not (tmp_path / "p.csv").exists()
+    capsys.readouterr()
+    assert predict(str(bundle), [str(photos)], str(tmp_path / "p.csv"), fmt="onnx",
+                   device="auto") == 0
+    out, err = capsys.readouterr()
+    assert "6 image(s) predicted" in out and "(onnx on CPUExecutionProvider)" in out, out
+    assert "cuda" not in out.lower() and "runs on CPUExecutionProvider" in err, err
+    assert len((tmp_path / "p.csv").read_text().splitlines()) == 7
+
+
+class _MakesATensor(nn.Module):
+    """Creates a tensor inside forward: a trace bakes its device (the CPU) into the file."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(x.mean((2, 3))) + torch.ones(2)
+
+
+def test_export_records_where_the_torchscript_file_ran(tmp_path, monkeypatch):
+    from ddpflow.inference import export
+
+    model, x = _MakesATensor().eval(), torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        ref = model(x)
+    check = export._write_format("torchscript", model, x, ref, tmp_path / "model.ts")
+    want = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    assert check["ok"] and check["checked_on"] == want, check
+    # the GPU check's mechanism (a stand-in device for CUDA): a file that fails there is a
+    # failed check naming the device, not a pass
+    with pytest.raises(export.DeviceCheckError, match="fails on meta"):
+        export._on_cuda(tmp_path / "model.ts", x, ref, device="meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = export._on_cuda
+    monkeypatch.setattr(export, "_on_cuda", lambda path, x, ref: real(path, x, ref, "meta"))
+    check = export._write_format("torchscript", model, x, ref, tmp_path / "again.ts")
+    assert not check["ok"] and check["checked_on"] == ["cpu", "cuda"], check
+    assert check["error"].startswith("the TorchScript file fails on meta"), check
+    assert not (tmp_path / "again.ts").exists()
+
+
+# ------------------------------------------------ GPU JPEG decode: a batch ahead, in a thread
+class _Decoder:
+    """work() for Ahead: records which batch started and finished decoding (Events)."""
+
+    def __init__(self, n):
+        self.started = [threading.Event() for _ in range(n)]
+        self.done = [threading.Event() for _ in range(n)]
+        self.threads = set()
+
+    def __call__(self, k):
+        self.started[k].set()
+        self.threads.add(threading.get_ident())
+        out = (torch.full((2, 3), float(k)), torch.tensor([k, k + 1]))
+        self.done[k].set()
+        return out
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_next_batch_is_decoded_while_the_current_one_is_consumed(depth):
+    from ddpflow.data.prefetch import Ahead
+
+    dec = _Decoder(8)
+    it = iter(Ahead(range(8), dec, torch.device("cpu"), depth))
+    x, y = next(it)
+    # the caller holds batch 0 (its step runs): batch 1 .. depth are decoded meanwhile, in
+    # another thread, and no further (the bound: at most `depth` batches ahead)
+    for k in range(1, depth + 1):
+        assert dec.done[k].wait(30), f"batch {k} was not decoded while batch 0 was held"
+    assert not dec.started[depth + 1].is_set()
+    assert threading.get_ident() not in dec.threads
+    got = [(x, y)] + list(it)
+    assert [int(g[0][0, 0]) for g in got] == list(range(8))  # the order kept
+    for k, (x, y) in enumerate(got):  # the content kept
+        assert torch.equal(x, torch.full((2, 3), float(k))) and y.tolist() == [k, k + 1]
+
+
+def test_prefetch_raises_at_the_failing_batch_and_stops_when_closed():
+    from ddpflow.data.prefetch import Ahead
+
+    def work(k):
+        if k == 3:
+            raise ValueError("damaged batch 3")
+        return k
+
+    seen = []
+    with pytest.raises(ValueError, match="damaged batch 3"):
+        for k in Ahead(range(10), work, torch.device("cpu"), 2):
+            seen.append(k)
+    assert seen == [0, 1, 2]
+    ahead = Ahead(range(1000), lambda k: k, torch.device("cpu"), 1)
+    gen = iter(ahead)
+    assert next(gen) == 0
+    gen.close()  # a break: the thread ends after its batch, not after 1000
+    ahead.thread.join(30)
+    assert not ahead.thread.is_alive()
+    assert list(Ahead(range(5), lambda k: k * 2, torch.device("cpu"), 0)) == [0, 2, 4, 6, 8]
+
+
+def test_on_cuda_the_decode_runs_on_a_side_stream_the_step_waits_for(monkeypatch):
+    """The CUDA calls stood in: each batch's work runs inside the side stream's context
+    (in the thread), an event is recorded after it, and the caller's stream waits for that
+    event before the batch is handed over."""
+    from ddpflow.data import prefetch
+
+    log = []
+    monkeypatch.setattr(prefetch, "side_stream", lambda dev: log.append("stream") or "side")
+
+    class Ctx:
+        def __enter__(self):
+            log.append("enter")
+
+        def __exit__(self, *a):
+            log.append("exit")
+
+    monkeypatch.setattr(prefetch, "stream_context", lambda s: Ctx())
+    monkeypatch.setattr(prefetch, "mark_ready", lambda s: log.append(f"event {s}") or s)
+    monkeypatch.setattr(prefetch, "wait_ready",
+                        lambda out, ev, dev: log.append(f"wait {ev} {out} {dev.type}"))
+    work = lambda k: log.append(f"decode {k}") or k  # noqa: E731
+    got = []
+    for k in prefetch.Ahead(range(2), work, torch.device("cuda"), 1):
+        log.append(f"step {k}")
+        got.append(k)
+    assert got == [0, 1] and log[0] == "stream"
+    for k in range(2):
+        i = log.index(f"decode {k}")
+        assert log[i - 1:i + 2] == ["enter", f"decode {k}", "event side"], log
+        assert log.index(f"wait side {k} cuda") < log.index(f"step {k}"), log
+        assert log.index("event side") < log.index("wait side 0 cuda")
+
+
+def test_the_first_conv_gets_channels_last_input_after_a_device_crop():
+    """center_crop resamples into a new NCHW tensor; a channels_last model's first conv
+    still sees channels_last (the forward pre-hook build.py registers)."""
+    from ddpflow.data.crops import center_crop
+    from ddpflow.engine import layout
+    from ddpflow.seams.models import SmallCNN
+
+    model = SmallCNN(10, 3).to(memory_format=torch.channels_last)
+    layout.channels_last_inputs(model)
+    seen = []
+    first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    first.register_forward_pre_hook(lambda m, a: seen.append(
+        a[0].is_contiguous(memory_format=torch.channels_last)))
+    x = center_crop(torch.rand(2, 3, 40, 40).contiguous(memory_format=torch.channels_last), 32)
+    assert not x.is_contiguous(memory_format=torch.channels_last)  # what the crop hands on
+    out = model(x)
+    assert seen == [True] and out.shape == (2, 10)
+    plain = SmallCNN(10, 3)
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(plain(x.contiguous()), out, rtol=1e-4, atol=1e-5)  # layout only

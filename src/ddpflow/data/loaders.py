@@ -24,6 +24,7 @@ from ddpflow.core.seeds import seed_sequence
 from ddpflow.data.crops import center_crop, random_resized_crop
 from ddpflow.data.mixing import Recipe
 from ddpflow.data.mixing import apply as apply_recipe
+from ddpflow.data.prefetch import Ahead
 from ddpflow.data.resident import read_rows, resident_split, upload
 from ddpflow.data.shards import JpegImages, decode_cuda
 
@@ -211,7 +212,10 @@ class TrainBatches:
                        for i in range(self.steps_per_epoch - start_step))
             triples = ((self.images[idx], self.labels[idx], idx) for idx in batches)
         else:
-            triples = (self._on_device(batch) for batch in self.loader)
+            # GPU JPEG decode: one or two batches ahead in a thread (a side stream on a GPU),
+            # not in series with the step; a batch the workers decoded needs no thread
+            triples = Ahead(self.loader, self._on_device, self.device,
+                            2 if self.gpu_decode else 0)
         size = self.size_at(epoch) if self.size_at else None
         for step, (x, y, idx) in enumerate(triples, start=start_step):
             if self.trace:

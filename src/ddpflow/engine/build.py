@@ -103,6 +103,7 @@ def model_parts(cfg, st, d, data, batch_size: int, precision: str, compile_: boo
     data.use_channels_last(on)
     if on:
         model.to(memory_format=torch.channels_last)
+        layout.channels_last_inputs(model)  # after the data's device crop, too
     # DDP across ranks (DataParallel for strategy dp, a baseline only)
     model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn, cfg.deterministic)
     return ModelParts(model, torch.compile(model) if compile_ else model,

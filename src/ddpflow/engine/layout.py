@@ -1,21 +1,25 @@
 """`channels_last: auto`: the memory layout a stage trains in.
 
 NHWC ("channels_last") is the layout that cuDNN's tensor-core convolutions and oneDNN's CPU
-convolutions prefer; a model without 2-D convolutions gains nothing from it. On a GPU a
-model with 2-D convolutions gets it (timm's published ResNet-50 AMP training: 1.47x). On a
-CPU the gain varies with the layers (3-40% in this project's runs, and some layers are
-slower), so a quick probe of this very model decides: forward + backward of a small batch in
-each layout, the best of three each. Every rank takes rank 0's answer: DDP's gradient
-buckets need one layout on all ranks.
+convolutions prefer; a model without 2-D convolutions gains nothing from it. The gain varies
+with the layers and the device (timm's ResNet-50 AMP training on a GPU: 1.47x; 3-40% on this
+project's CPUs, and some layers are slower), and a model may not run in it at all (a
+`.view` on a feature map that channels_last makes non-contiguous raises). So on every
+device, GPU or CPU, a probe of this very model decides: forward + backward of a batch of
+the stage's own size in each layout, the best of three each (the GPU synchronised before
+each clock reading). A model whose channels_last pass raises trains in NCHW, and the reason
+names the error. Every rank takes rank 0's answer: DDP's gradient buckets need one layout
+on all ranks.
 
 A timing can come out either way when the two are close, and the layout changes the
 arithmetic's order. So channels_last must win by 5% (NCHW, PyTorch's default, otherwise),
-and a probe's answer is kept (per model, precision, input shape, threads and host) in
-<run>/layout.json, which every later process of the run takes it from (a resume, the next
-stage, a re-run), and in the user's cache (~/.cache/ddpflow/layout.json, or under
+and a probe's answer is kept (per model, precision, input shape, threads, host and device)
+in <run>/layout.json, which every later process of the run takes it from (a resume, the
+next stage, a re-run), and in the user's cache (~/.cache/ddpflow/layout.json, or under
 $XDG_CACHE_HOME), which later runs on this machine take it from: the same config trains the
-same way on the same machine. Delete that file to probe again. Deterministic mode never
-probes: a model with 2-D convolutions trains in channels_last on every device.
+same way on the same machine. Delete that file to probe again. Deterministic mode times
+nothing: a model with 2-D convolutions trains in channels_last when one pass of it runs in
+that layout (NCHW when it raises).
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ def has_conv2d(model: nn.Module) -> bool:
 
 def _step_seconds(model: nn.Module, x: torch.Tensor, autocast, reps: int = 3) -> float | None:
     """Best of `reps` forward + backward passes (after one warm-up), or None when the
-    model's output is not a tensor (nothing simple to backpropagate)."""
+    model's output is not a tensor (nothing simple to backpropagate). On a GPU the clock
+    is read after a synchronize: kernels run asynchronously."""
     best = float("inf")
     for i in range(reps + 1):
+        _sync(x.device)
         t0 = time.perf_counter()
         with autocast:
             out = forward(model, x)
@@ -53,57 +59,87 @@ def _step_seconds(model: nn.Module, x: torch.Tensor, autocast, reps: int = 3) ->
             return None
         out.float().sum().backward()
         model.zero_grad(set_to_none=True)
-        if i:
+        _sync(x.device)
+        if i or not reps:  # reps 0: the one pass (deterministic mode: does it run?)
             best = min(best, time.perf_counter() - t0)
     return best
 
 
-def probe(model: nn.Module, shape: tuple[int, ...], autocast,
-          device: torch.device) -> tuple[float, float] | None:
-    """(seconds per step in NCHW, in channels_last) of the plain model on a random batch;
-    the model is left as it was (layout, statistics, random stream, gradients)."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def probe(model: nn.Module, shape: tuple[int, ...], autocast, device: torch.device,
+          reps: int = 3) -> dict | None:
+    """{"nchw_s", "channels_last_s", "channels_last_error", "batch"} of the plain model on a
+    random batch of `shape` (seconds per step in each layout; channels_last_s None and the
+    error's first line when the model raises in channels_last), or None when its output is
+    not a tensor. The model is left as it was (layout, statistics, random stream, grads)."""
     x = torch.randn(shape, device=device)
+    out = {"batch": shape[0], "channels_last_error": None}
     with untouched(model):
-        nchw = _step_seconds(model, x, autocast)
+        out["nchw_s"] = _step_seconds(model, x, autocast, reps)
         model.to(memory_format=torch.channels_last)
-        nhwc = _step_seconds(model, x.contiguous(memory_format=torch.channels_last), autocast)
-        model.to(memory_format=torch.contiguous_format)
-    return None if nchw is None or nhwc is None else (nchw, nhwc)
+        try:
+            out["channels_last_s"] = _step_seconds(
+                model, x.contiguous(memory_format=torch.channels_last), autocast, reps)
+        except RuntimeError as e:  # e.g. `.view` on a feature map that is not contiguous
+            out["channels_last_s"] = None
+            out["channels_last_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        finally:
+            model.to(memory_format=torch.contiguous_format)
+            model.zero_grad(set_to_none=True)
+    if out["nchw_s"] is None or (out["channels_last_s"] is None
+                                 and not out["channels_last_error"]):
+        return None
+    return out
 
 
 def decide(setting, model: nn.Module, d: distributed.Dist, shape: tuple[int, ...], autocast,
            deterministic: bool, cache: Path, key: dict) -> tuple[bool, str]:
-    """(channels_last on, why) for the stage's setting: true, false or auto."""
+    """(channels_last on, why) for the stage's setting: true, false or auto. The same path
+    on every device: no device type turns channels_last on without running the model."""
     if setting != "auto":
         return bool(setting), f"channels_last: {str(bool(setting)).lower()} in the config"
     if not has_conv2d(model):
         return False, "auto: the model has no 2-D convolution"
-    if d.device.type == "cuda":
-        return True, "auto: 2-D convolutions on a GPU"
-    if deterministic:
-        return True, "auto: 2-D convolutions (deterministic mode: no timing probe)"
     name = json.dumps({**key, "shape": list(shape), "threads": torch.get_num_threads(),
-                       "host": socket.gethostname()}, sort_keys=True)
+                       "host": socket.gethostname(), "device": device_name(d.device),
+                       "timed": not deterministic}, sort_keys=True)
     # rank 0 alone looks, probes and writes; every rank then takes its answer (one
     # collective on every rank, whatever another node's caches hold)
-    kept = _rank0_answer(name, (cache, user_cache()), model, shape, autocast,
-                         d.device) if d.is_master else None
+    kept = _rank0_answer(name, (cache, user_cache()), model, shape, autocast, d.device,
+                         0 if deterministic else 3) if d.is_master else None
     kept = distributed.broadcast_object(d, kept)
+    where = (f"on this CPU at batch {shape[0]}" if d.device.type != "cuda" else
+             f"on this GPU ({device_name(d.device)}) at batch {shape[0]}")
     if not kept:
         return False, "auto: the model's output is not a tensor, so no probe; NCHW"
-    ratio = kept["nchw_s"] / kept["channels_last_s"]
-    return ratio >= MARGIN, (f"auto: a probe on this CPU, channels_last at {ratio:.2f}x the "
+    if kept.get("channels_last_error"):
+        return False, (f"auto: the model fails in channels_last (a probe {where}: "
+                       f"{kept['channels_last_error']}); NCHW")
+    if deterministic:  # one pass ran in channels_last; nothing timed
+        return True, "auto: 2-D convolutions (deterministic mode: no timing probe)"
+    ratio = kept["nchw_s"] / max(kept["channels_last_s"], 1e-12)
+    return ratio >= MARGIN, (f"auto: a probe {where}, channels_last at {ratio:.2f}x the "
                              f"speed of NCHW (kept in layout.json)")
 
 
-def _rank0_answer(name: str, caches: tuple[Path, Path], model, shape, autocast, device):
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def _rank0_answer(name: str, caches: tuple[Path, Path], model, shape, autocast, device,
+                  reps: int = 3):
     """The kept probe for `name` (the run folder's first, then the user's), or a new probe;
     written to whichever cache lacked it."""
     found = [_read(c).get(name) for c in caches]
     kept = next((k for k in found if k is not None), None)
     if kept is None:
-        times = probe(model, shape, autocast, device)
-        kept = times and {"nchw_s": times[0], "channels_last_s": times[1]}
+        kept = probe(model, shape, autocast, device, reps)
     for c, had in zip(caches, found):
         if had is None:
             _write(c, name, kept)
@@ -113,14 +149,28 @@ def _rank0_answer(name: str, caches: tuple[Path, Path], model, shape, autocast, 
 def for_stage(setting, cfg, model: nn.Module, d, batch_size: int, in_ch: int | None,
               precision: str) -> tuple[bool, str]:
     """decide() for a training stage's plain `model` (setting: the stage's channels_last,
-    true/false/"auto"): (on, why). The caller's data pipeline follows the answer."""
+    true/false/"auto"): (on, why). The caller's data pipeline follows the answer. The probe
+    runs at `batch_size`, this rank's batch: what the stage's steps will run."""
     size = cfg.data.image_size
     if setting == "auto" and not in_ch:
         return False, "auto: the inputs are not images"
-    return decide(setting, model, d, (min(batch_size, 16), in_ch, size, size),
+    return decide(setting, model, d, (batch_size, in_ch, size, size),
                   mixed_precision(precision, d.device)[1], cfg.deterministic,
                   cfg.run_dir / "layout.json",
                   {"model": cfg.model.name, "kwargs": cfg.model.kwargs, "precision": precision})
+
+
+def channels_last_inputs(model: nn.Module) -> None:
+    """The model (trained in channels_last) takes its 4-D input in channels_last: a device
+    crop that resamples (data.crops.center_crop) hands back a new NCHW tensor, and the first
+    convolution would convert it at every step. A no-op for an input already in it."""
+    model.register_forward_pre_hook(_to_channels_last)
+
+
+def _to_channels_last(_module, args):
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
+        return (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
+    return None
 
 
 MARGIN = 1.05  # channels_last must be this much faster than NCHW to be chosen
@@ -140,11 +190,13 @@ def _write(path: Path, name: str, kept) -> None:
 
 
 _SECONDS = {"type": "number", "minimum": 0}
+_KEPT = {"type": "object", "required": ["nchw_s", "channels_last_s"],
+         "properties": {"nchw_s": _SECONDS, "batch": {"type": "integer", "minimum": 1},
+                        "channels_last_s": {"anyOf": [_SECONDS, {"type": "null"}]},
+                        "channels_last_error": {"type": ["string", "null"]}}}
 # layout.json: a cache of measurements (missing or damaged: measured again and rewritten)
 LAYOUT_SCHEMA = {"type": "object", "additionalProperties": {
-    "anyOf": [{"type": "null"}, {"type": "object", "required": ["nchw_s", "channels_last_s"],
-                                 "properties": {"nchw_s": _SECONDS,
-                                                "channels_last_s": _SECONDS}}]}}
+    "anyOf": [{"type": "null"}, _KEPT]}}
 
 
 def _read(path: Path) -> dict:

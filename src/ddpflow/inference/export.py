@@ -9,12 +9,15 @@
 
 Each format is checked when it is written: on a batch of real validation images its
 outputs are compared with the PyTorch model's (max |difference| of the logits within a
-tolerance, and the same top-1 class). A format that cannot be written or checked is named
-with its reason in model.json and on stderr, the others are still written, and the
-command exits 1. The bundle is built in a folder beside the target and moved into place
-whole, model.json last: a bundle without model.json is never complete. An existing target
-is replaced only when it is empty or an earlier bundle (core/writing.py): a folder of
-other files, a file or a link is refused, untouched, before any work.
+tolerance, and the same top-1 class). Where a GPU exists the TorchScript file also runs
+there (a trace on the CPU bakes the device of tensors made in `forward` into it); the
+check's `checked_on` in model.json names where each file ran. A format that cannot be
+written or checked is named with its reason in model.json and on stderr, the others are
+still written, and the command exits 1. The bundle is built in a folder beside the target
+and moved into place whole, model.json last: a bundle without model.json is never
+complete. An existing target is replaced only when it is empty or an earlier bundle
+(core/writing.py): a folder of other files, a file or a link is refused, untouched, before
+any work.
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ def export(cfg: Config, stage: str | None = None, out: str | None = None,
         state = "ok" if c["ok"] else f"FAILED: {c['error']}"
         print(f"  {fmt:12s} {FILES[fmt]:18s} {state}"
               + (f" (max |diff| {c['max_abs_diff']:.2e})" if c.get("max_abs_diff") is not None
-                 else ""))
+                 else "") + (f", run on {' and '.join(c['checked_on'])}" if c.get("checked_on")
+                             else ""))
     print(f"ddpflow: exported stage '{stage}' ({weights}: {record['holds']} weights, step "
           f"{record['step']}) -> {target}")
     if failed:
@@ -163,15 +167,18 @@ def _write_format(fmt: str, model, x, ref, path: Path) -> dict:
         path.unlink(missing_ok=True)
         if isinstance(e, OSError) and writing.user_os_error(e, path, WHAT):
             raise  # a full disk, not the format's fault: build_folder names the target
-        return {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return {"ok": False, "checked_on": checked_on(fmt),
+                "error": str(e) if isinstance(e, DeviceCheckError) else
+                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     if out is None:  # written, but nothing here can run it
-        return {"ok": True, "checked": False, "note": "onnxruntime is not installed: "
-                "not run (pip install onnxruntime)"}
+        return {"ok": True, "checked": False, "checked_on": [],
+                "note": "onnxruntime is not installed: not run (pip install onnxruntime)"}
     diff = (out.float() - ref.float()).abs().max().item()
     tol = RTOL * max(1.0, ref.abs().max().item())
     same_top1 = bool((out.argmax(1) == ref.argmax(1)).all())
     ok = diff <= tol and same_top1
-    return {"ok": ok, "checked": True, "images": len(x), "max_abs_diff": diff,
+    return {"ok": ok, "checked": True, "checked_on": checked_on(fmt), "images": len(x),
+            "max_abs_diff": diff,
             "tolerance": tol, "same_top1": same_top1,
             "error": None if ok else f"outputs differ from the PyTorch model's by {diff:.2e} "
                                      f"(tolerance {tol:.2e}, same top-1: {same_top1})"}
@@ -197,11 +204,45 @@ def _fresh_copy(model):
 
 
 def _torchscript(model, x, path: Path):
+    """Traced on the CPU, loaded back and run on the CPU; where a GPU exists also on it
+    (`_on_cuda`): a trace bakes the device of tensors that `forward` creates into the file,
+    and such a file fails or differs there only."""
     traced = torch.jit.trace(model, x[:2], check_trace=False)
     traced.save(str(path))
     loaded = torch.jit.load(str(path), map_location="cpu")
     with torch.no_grad():
-        return loaded(x)  # another batch size than traced with: the batch is dynamic
+        out = loaded(x)  # another batch size than traced with: the batch is dynamic
+    if torch.cuda.is_available():
+        _on_cuda(path, x, out)
+    return out
+
+
+class DeviceCheckError(RuntimeError):
+    """The TorchScript file fails, or gives other outputs, on the GPU."""
+
+
+def _on_cuda(path: Path, x, ref, device: str = "cuda") -> None:
+    """The saved TorchScript file on `device` (a GPU; written for one, unverified on a CPU
+    machine: bench/gpu.sh exports a model that creates a tensor in `forward` there): the
+    same outputs as on the CPU, or DeviceCheckError naming the device."""
+    try:
+        gpu = torch.jit.load(str(path), map_location=device)
+        with torch.no_grad():
+            out = gpu(x.to(device)).float().cpu()
+    except Exception as e:  # noqa: BLE001 - a device baked into the trace: any error
+        raise DeviceCheckError(f"the TorchScript file fails on {device} (traced on the CPU; a "
+                               f"tensor made in forward keeps the CPU device?): "
+                               f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+    diff = (out - ref.float()).abs().max().item()
+    if diff > RTOL * max(1.0, ref.abs().max().item()) * 100:  # GPU kernels: TF32 and others
+        raise DeviceCheckError(f"the TorchScript file gives other outputs on {device} than "
+                               f"on the CPU (max |diff| {diff:.2e})")
+
+
+def checked_on(fmt: str) -> list[str]:
+    """Where a format's file is run at export: TorchScript also on the GPU when one exists
+    (what `predict --device cuda` will load); ONNX on onnxruntime's CPU provider."""
+    return ["cpu", "cuda"] if fmt == "torchscript" and torch.cuda.is_available() else ["cpu"]
 
 
 def _onnx(model, x, path: Path):

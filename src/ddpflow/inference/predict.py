@@ -4,7 +4,11 @@ Images of any size and mode are read exactly like validation (inference.py), run
 the bundle's TorchScript model (or ONNX with onnxruntime), batched, on the GPU when there
 is one, and written as a CSV: path (as given; files found in a folder are the folder
 joined with their relative path), class (top-1 name), prob, then class_2, prob_2, ... up
-to --top-k, and error (why an unreadable image has no prediction).
+to --top-k, and error (why an unreadable image has no prediction). The last line names
+what ran the model: TorchScript on a device, or the onnxruntime provider the session took.
+--device cuda with an onnxruntime that cannot take the GPU (no CUDAExecutionProvider, or
+one that failed to load) is refused in one line; auto then runs on the CPU provider and
+says so.
 """
 
 from __future__ import annotations
@@ -61,8 +65,11 @@ def load_bundle(folder: str | Path) -> dict:
     return spec
 
 
-def _runner(spec: dict, folder: Path, fmt: str, device: torch.device):
-    """(inputs float NCHW on device) -> logits, from the bundle's TorchScript or ONNX file."""
+def _runner(spec: dict, folder: Path, fmt: str, device: torch.device, explicit: bool):
+    """((inputs float NCHW) -> logits, the device the inputs go to, what runs the model: a
+    device, or onnxruntime's provider that the session actually took). `explicit`: the
+    user asked for this device (--device cuda), so the ONNX file is refused rather than
+    run on the CPU when onnxruntime cannot take the GPU."""
     files = spec["files"]
     if fmt == "auto":
         fmt = "torchscript" if "torchscript" in files else "onnx"
@@ -73,15 +80,26 @@ def _runner(spec: dict, folder: Path, fmt: str, device: torch.device):
         with warnings.catch_warnings():  # "deprecated in favour of torch.export": still works
             warnings.simplefilter("ignore", FutureWarning)
             model = torch.jit.load(path, map_location=device).eval()
-        return lambda x: model(x)
+        return (lambda x: model(x)), device, f"torchscript on {device.type}"
     try:
         import onnxruntime as ort
     except ImportError:
         raise UserError("--format onnx needs onnxruntime: pip install onnxruntime") from None
-    providers = (["CUDAExecutionProvider"] if device.type == "cuda" else []) + [
-        "CPUExecutionProvider"]
+    cuda = device.type == "cuda"
+    providers = (["CUDAExecutionProvider"] if cuda else []) + ["CPUExecutionProvider"]
     session = ort.InferenceSession(path, providers=providers)
-    return lambda x: torch.from_numpy(session.run(None, {"input": x.cpu().numpy()})[0])
+    used = session.get_providers()[0]  # the one that runs it (a CUDA one may fail to load)
+    if cuda and used != "CUDAExecutionProvider":
+        if explicit:
+            raise UserError(
+                f"--device cuda --format onnx: this onnxruntime runs on {used} only (it has "
+                f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu for "
+                f"the GPU, or use --format torchscript or --device cpu")
+        print(f"ddpflow: note: onnxruntime has no usable CUDAExecutionProvider; the ONNX "
+              f"model runs on {used}", file=sys.stderr)
+    on = device if used == "CUDAExecutionProvider" else torch.device("cpu")
+    return (lambda x: torch.from_numpy(session.run(None, {"input": x.cpu().numpy()})[0])), \
+        on, f"onnx on {used}"
 
 
 def predict(bundle: str, inputs: list[str], out: str, top_k: int | None = None, fmt: str = "auto",
@@ -92,7 +110,7 @@ def predict(bundle: str, inputs: list[str], out: str, top_k: int | None = None, 
     spec = load_bundle(folder)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)
-    run = _runner(spec, folder, fmt, dev)
+    run, dev, engine = _runner(spec, folder, fmt, dev, device == "cuda")
     files = image_files(inputs)
     k = min(top_k or DEFAULT_TOP_K, spec["num_classes"])
     if top_k is not None and k < top_k:  # asked for more than there are: said once
@@ -126,7 +144,7 @@ def predict(bundle: str, inputs: list[str], out: str, top_k: int | None = None, 
     _write_csv(Path(out), header, rows)
     print(f"ddpflow: {len(files) - bad_count} image(s) predicted"
           + (f", {bad_count} unreadable (reason in the error column)" if bad_count else "")
-          + f" with {Path(bundle)} on {dev.type} -> {out}")
+          + f" with {Path(bundle)} ({engine}) -> {out}")
     return 0
 
 
