@@ -126,6 +126,119 @@ def test_accepted_slurm_values_reach_sbatch_as_separate_options(tmp_path, extra)
     assert argv[argv.index("-p") + 1] == "gpu,long" and argv[argv.index("-A") + 1] == "proj-1.a"
 
 
+# sinfo -h -N -o '%P|%N|%c|%m|%G' of a cluster: a small GPU node and a big one in gpu (the
+# default partition), two CPU nodes in cpu, and an 8-GPU node of 2 TB in big
+SINFO = """gpu*|g1|16|120000|gpu:a100:4(S:0-1)
+gpu*|g2|64|500000|gpu:a100:4(S:0-1)
+cpu|c1|32|64000|(null)
+cpu|c2|32|64000|(null)
+big|b1|128|2000000|gpu:h100:8
+"""
+
+
+def _sized(tmp_path, found="sinfo", **top) -> dict:
+    """The slurm: section `ddpflow validate` prints for a config, given what sinfo says."""
+    from ddpflow.launch.slurmsizes import parse_sinfo, resolve
+
+    found = parse_sinfo(SINFO) if found == "sinfo" else found
+    return resolve(from_dict(tiny_config(tmp_path, **top)).to_dict(), found)
+
+
+def test_sinfo_gres_fields_give_the_gpus_of_a_node():
+    from ddpflow.launch.slurmsizes import gres_gpus, parse_sinfo
+
+    assert [gres_gpus(g) for g in ("gpu:2", "gpu:a100:4(S:0-1)", "gpu:a:2,gpu:b:2",
+                                   "(null)", "shard:8", "mps:100,gpu:1")] == [2, 4, 4, 0, 0, 1]
+    parts, default = parse_sinfo(SINFO)
+    assert default == "gpu" and sorted(parts) == ["big", "cpu", "gpu"]
+    assert [(n.name, n.cpus, n.mem_mb, n.gpus) for n in parts["gpu"]] == [
+        ("g1", 16, 120000, 4), ("g2", 64, 500000, 4)]
+
+
+@pytest.mark.parametrize("slurm, want", [
+    ({}, (4, 30000)),  # a GPU's share of the smallest node of the default partition (g1)
+    ({"gpus": 2}, (4, 60000)),
+    ({"partition": "gpu"}, (4, 30000)),
+    ({"partition": "big", "gpus": 8}, (8, 8 * 64000)),  # capped: 8 cores, 64000 MiB a GPU
+    ({"partition": "cpu", "gpus": 0, "cpus": 4}, (None, 8000)),  # 4 cores' share of 64000
+    ({"partition": "cpu,big", "gpus": 0, "cpus": 4}, (None, 8000)),  # both: the smaller
+    ({"cpus_per_gpu": 2, "mem_mb": 1000}, (2, 1000)),  # given: they win
+    ({"partition": "nosuch"}, (4, 16000)),  # a partition sinfo does not list: fallbacks
+])
+def test_slurm_sizes_left_open_are_a_gpus_share_of_a_node(tmp_path, slurm, want):
+    s = _sized(tmp_path, slurm=slurm)
+    assert (s["cpus_per_gpu"] if s["gpus"] else None, s["mem_mb"]) == want, s
+
+
+def test_slurm_sizes_without_sinfo_and_of_sweeps_and_several_nodes(tmp_path):
+    assert (_sized(tmp_path, found=None)["cpus_per_gpu"],
+            _sized(tmp_path, found=None)["mem_mb"]) == (4, 16000)
+    # a sweep's jobs are its trials: one GPU each here, not the base config's 4
+    swept = _sized(tmp_path, slurm={"gpus": 4},
+                   sweep={"grid": {"seed": [0, 1]}, "gpus_per_trial": 1})
+    assert swept["mem_mb"] == 30000
+    # two nodes: --mem is per node, --gpus the job's total (4 = 2 a node); gres is per node
+    two = {"nodes": 2, "nproc_per_node": 2}
+    assert _sized(tmp_path, hardware=two, slurm={"gpus": 4})["mem_mb"] == 60000
+    assert _sized(tmp_path, hardware=two, slurm={"gres": "gpu:4"})["mem_mb"] == 120000
+
+
+@pytest.mark.parametrize("slurm, words", [
+    ({"partition": "gpu", "mem_mb": 600000},
+     "slurm.mem_mb is 600000 MiB but the largest node of partition gpu has 500000 MiB (g2); "
+     "set slurm.mem_mb to at most 500000, or null"),
+    ({"partition": "gpu", "gpus": 4, "cpus_per_gpu": 20},
+     "slurm.cpus_per_gpu 20 x 4 GPU(s) per node is 80 cores but the largest node of "
+     "partition gpu has 64; set slurm.cpus_per_gpu to at most 16"),
+    ({"partition": "cpu", "gpus": 0, "cpus": 48},
+     "slurm.cpus is 48 but the largest node of partition cpu has 32 cores"),
+])
+def test_a_slurm_size_no_node_has_is_one_message(tmp_path, slurm, words):
+    with pytest.raises(UserError) as e:
+        _sized(tmp_path, slurm=slurm)
+    assert str(e.value).startswith("invalid config: ") and words in str(e.value), e.value
+    # the same size without a named partition (a local run where sinfo is) is not refused
+    _sized(tmp_path, slurm={k: v for k, v in slurm.items() if k != "partition"},
+           found=({"gpu": []}, "gpu"))
+
+
+def test_validate_prints_the_slurm_sizes_it_derives(tmp_path, monkeypatch):
+    """`ddpflow validate` (what the workflow reads) fills the sizes; no sinfo: fallbacks."""
+    import yaml
+
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
+    path = write_config(tmp_path, tiny_config(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "ddpflow", "validate", "--config", path],
+                         capture_output=True, text=True, check=True).stdout
+    s = yaml.safe_load(out)["slurm"]
+    assert (s["cpus_per_gpu"], s["mem_mb"]) == (4, 16000)
+
+
+@pytest.mark.parametrize("tres, slurm, want", [
+    ("cpu=8,mem=2000M,node=2,billing=8,gres/gpu=4", {"gpus": 4},
+     ["--cpus-per-task=4", "--gres=gpu:2"]),
+    ("cpu=4,mem=1000M,node=2,billing=4", {"gpus": 0, "cpus": 2}, ["--cpus-per-task=2"]),
+    (None, {"gpus": 4, "cpus_per_gpu": 3}, ["--cpus-per-task=6", "--gres=gpu:2"]),
+    (None, {"gres": "gpu:4", "cpus_per_gpu": 2}, ["--cpus-per-task=8", "--gres=gpu:4"]),
+    (None, {"gpus": 0, "cpus": 5}, ["--cpus-per-task=5"]),
+])
+def test_the_several_node_srun_step_asks_for_its_cpus_and_gpus(tmp_path, monkeypatch, tres,
+                                                               slurm, want):
+    """Slurm >= 22.05: srun does not take --cpus-per-task from the batch job. The step asks
+    for what the job holds on each node (scontrol's TRES), else what the config asks."""
+    from ddpflow.launch import slurmnodes
+
+    fields = {"TRES": tres, "NodeList": "n[1-2]"} if tres else {}
+    monkeypatch.setattr(slurmnodes, "_job_fields", lambda job: fields)
+    monkeypatch.setattr(slurmnodes, "slurm_hosts", lambda: ["n1", "n2"])
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    cfg = from_dict(tiny_config(tmp_path, hardware={"nodes": 2, "nproc_per_node": 2},
+                                slurm=slurm))
+    cmd = slurmnodes.srun_command(cfg, 2, tmp_path / "config.json", "--max-restarts=0", [])
+    step = cmd[:cmd.index("--kill-on-bad-exit=1")]
+    assert step == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", *want], cmd
+
+
 # --------------------------------------------------------------------------- containers
 
 CONTAINER_ROWS = [  # (container: section, the key named, words of the message)

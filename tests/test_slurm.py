@@ -77,7 +77,7 @@ def test_workflow_on_slurm_with_fake_gpus(tmp_path):
     proc = slurm_snakemake(tmp_path, "--forcerun", "train", "--set-resources", "train:gpu=1",
                            "--retries", "0")
     assert proc.returncode != 0
-    log = (tmp_path / "logs/wf/train_a.log").read_text()
+    log = (tmp_path / "results/wf/logs/train_a.log").read_text()
     assert "sees 1 GPU(s)" in log and "slurm.gpus asks for 2" in log, log[-2000:]
     assert "Traceback" not in log
 
@@ -117,7 +117,7 @@ def test_scancel_usr1_mid_training_then_retry(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     states = [state for state, _ in sacct(job)]
     assert states and states[0] != "COMPLETED", states  # the signalled attempt stopped early
-    log = (wd / "logs/wf/train_a.log").read_text()  # the retry's log
+    log = (wd / "results/wf/logs/train_a.log").read_text()  # the retry's log
     resumed = int(log.split("resumed from ckpt-")[1][:9])
     # the signalled ranks wrote a new checkpoint at a log boundary after the signal
     assert resumed > steps[-1] and resumed % 5 == 0, (resumed, steps)
@@ -127,16 +127,66 @@ def test_scancel_usr1_mid_training_then_retry(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_missing_slurm_account_is_a_clear_error(tmp_path):
-    cfg = {**TINY, "slurm": {"gpus": 1, "cpus_per_gpu": 1, "mem_mb": 1000, "runtime_min": 5,
-                             "account": "no-such-account"},
+def _node(partition: str) -> tuple[int, int, int]:
+    """(CPUs, MiB, GPUs) of the (one) node of a partition of the test cluster."""
+    line = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%c %m %G"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    return int(line[0]), int(line[1]), int(line[2].split(":")[-1]) if "gpu" in line[2] else 0
+
+
+def test_the_default_slurm_section_submits_and_runs(tmp_path):
+    """No slurm: keys at all (issue 34: 64000 MiB and 8 cores a GPU did not fit a node): the
+    job asks for a GPU's share of the debug node, as sinfo gives it, and trains."""
+    cfg = {**TINY, "hardware": {"nproc_per_node": 1, "threads_per_rank": 1},
+           "stages": [{**TINY["stages"][0], "epochs": 1}]}
+    write(tmp_path, cfg)
+    proc = slurm_snakemake(tmp_path, "results/wf/stages/a/final.pt")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    cpus, mem, gpus = _node("debug")
+    used = json.loads((tmp_path / "results/wf/workflow_config.json").read_text())["slurm"]
+    assert used["partition"] == "debug"  # the profile's, which the sizes are a share of
+    assert (used["cpus_per_gpu"], used["mem_mb"]) == (min(8, cpus // gpus), mem // gpus)
+    s = json.loads((tmp_path / "results/wf/stages/a/summary.json").read_text())
+    (state, tres), = sacct(s["environment"]["slurm_job_id"])
+    assert state == "COMPLETED", state
+    assert f"mem={mem // gpus}M" in tres and "gres/gpu=1" in tres, tres
+
+
+def _run_id(out: str) -> str:
+    return out.split("SLURM run ID: ")[1].split()[0]
+
+
+def test_a_refused_request_is_one_message_and_nothing_is_submitted(tmp_path):
+    """An account Slurm does not know: sbatch --test-only says so once, before anything is
+    submitted (not a failed job, then three retries of the same refusal)."""
+    cfg = {**TINY, "slurm": {"runtime_min": 5, "account": "no-such-account"},
            "stages": [TINY["stages"][0]]}
     write(tmp_path, cfg)
     proc = slurm_snakemake(tmp_path)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "no-such-account appears to be invalid" in out, out[-3000:]
+    refused = "Slurm refuses the jobs of rule "
+    assert out.count(refused) == 1, out[-3000:]
+    assert "Invalid account or account/partition combination specified" in out, out[-3000:]
+    assert "-A no-such-account -p debug" in out and "Traceback" not in out, out[-3000:]
+    assert "has been submitted" not in out and "sbatch failed" not in out, out[-3000:]
+    jobs = subprocess.run(["sacct", "-n", "-X", "-P", "-S", "now-1hour", "--name",
+                           _run_id(out), "-o", "JobID"], capture_output=True, text=True)
+    assert jobs.returncode == 0 and jobs.stdout.strip() == "", jobs.stdout
     assert not (tmp_path / "results/wf/stages/a/final.pt").exists()
+    # the workflow is not left locked: the next run gets as far as the same refusal
+    again = slurm_snakemake(tmp_path)
+    assert (again.stdout + again.stderr).count(refused) == 1, again.stderr[-3000:]
+
+    # more memory than the node has: one message naming the key and the node's figure,
+    # when the config is read (no job, no sbatch)
+    _, mem, _ = _node("debug")
+    write(tmp_path, {**cfg, "slurm": {"runtime_min": 5, "mem_mb": mem + 1000}})
+    proc = slurm_snakemake(tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and out.count("invalid config: slurm.mem_mb") == 1, out[-3000:]
+    assert f"{mem + 1000} MiB but the largest node of partition debug has {mem} MiB" in out
+    assert "SLURM run ID" not in out and "Traceback" not in out, out[-3000:]
 
 
 def test_sweep_on_slurm_one_job_and_one_gpu_per_trial(tmp_path):
@@ -214,6 +264,11 @@ def test_two_nodes_one_job_and_a_killed_node(tmp_path):
             victims = _pair_ranks("ddpn2")
         time.sleep(0.2)
     assert victims, "the two-node job never got going"
+    # ddpflow's srun step asks for the job's CPUs on each node itself (issue 36: since Slurm
+    # 22.05 srun does not take --cpus-per-task from the batch job, and Snakemake's job step
+    # drops the job's SLURM_* variables): srun tells the ranks it starts their CPUs
+    env = Path(f"/proc/{victims[0]}/environ").read_bytes().decode(errors="replace")
+    assert "\0SLURM_CPUS_PER_TASK=2\0" in f"\0{env}", env.split("\0")
     for pid in victims:
         os.kill(pid, 9)
     killed_at = time.time()
@@ -233,7 +288,7 @@ def test_two_nodes_one_job_and_a_killed_node(tmp_path):
     assert len(failed) == 1, rows
     ended = time.mktime(time.strptime(failed[0][2], "%Y-%m-%dT%H:%M:%S"))
     assert ended - killed_at < cfg["hardware"]["timeout_s"], (ended - killed_at, rows)
-    log = (wd / "logs/wf/train_a.log").read_text()  # the retry's log
+    log = (wd / "results/wf/logs/train_a.log").read_text()  # the retry's log
     assert "resumed from ckpt-" in log, log[-3000:]
     a = torch.load(ref / "results/wf/stages/a/final.pt", weights_only=True)["model"]
     b = torch.load(wd / "results/wf/stages/a/final.pt", weights_only=True)["model"]

@@ -182,7 +182,7 @@ def test_invalid_config_stops_before_any_job(tmp_path):
 
 
 def test_slurm_profile_dry_run_resolves_gpu_resources(wf):
-    cfg = {**TINY, "slurm": {"gpus": 2, "cpus_per_gpu": 6, "mem_mb": 32000, "runtime_min": 90,
+    cfg = {**TINY, "slurm": {"gpus": 2, "cpus_per_gpu": 1, "mem_mb": 1000, "runtime_min": 90,
                              "account": "proj1", "signal_before_end_s": 120}}
     write(wf, cfg)
     proc = snakemake(wf, "-n", "--profile", str(REPO / "profiles/slurm"))
@@ -192,17 +192,17 @@ def test_slurm_profile_dry_run_resolves_gpu_resources(wf):
     assert len(train) == 2
     for block in train:
         res = block.split("resources:")[1].splitlines()[0]
-        for want in ("gpu=2", "cpus_per_gpu=6", "mem_mb=32000", "runtime=90",
+        for want in ("gpu=2", "cpus_per_gpu=1", "mem_mb=1000", "runtime=90",
                      "slurm_account=proj1", "slurm_partition=debug", "--signal=USR1@120"):
             assert want in res, (want, res)
-        assert "ddpflow launch" in block and block.count("ddpflow launch") == 1
+        assert block.count(" launch --config=") == 1 and "ddpflow --log=" in block
         assert "tasks_per_gpu=0" in res  # one task keeps all the job's GPUs
 
 
 def test_slurm_gres_and_two_nodes_dry_run(wf):
     """gres instead of gpu=, and a two-node job whose srun step is ddpflow's own (mpi)."""
     cfg = {**TINY, "hardware": {**TINY["hardware"], "nodes": 2},
-           "slurm": {"gres": "gpu:a100:2", "cpus_per_gpu": 4}}
+           "slurm": {"gres": "gpu:a100:2", "cpus_per_gpu": 1}}
     write(wf, cfg)
     proc = snakemake(wf, "-n", "--profile", str(REPO / "profiles/slurm"))
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -42,8 +42,27 @@ def ddpflow_stdin(*args):
     return r
 
 
+def profile_partition():
+    """The partition the profile's default-resources give every job (what `slurm.partition:
+    null` means), or None (a local run, or a value that is not a plain partition name).
+    """
+    words = getattr(workflow.resource_settings.default_resources, "args", None) or ()
+    for word in words:
+        name, _, value = str(word).partition("=")
+        value = value.strip().strip("'\"")
+        if name.strip() == "slurm_partition" and re.fullmatch(r"[\w.,-]+", value):
+            return value
+    return None
+
+
+# training jobs go to the profile's partition unless the config names one: say so in the
+# config, so that the Slurm sizes it leaves open (slurm.cpus_per_gpu, slurm.mem_mb) are a
+# share of a node of that partition
+if not (config.get("slurm") or {}).get("partition") and profile_partition():
+    config["slurm"] = {**(config.get("slurm") or {}), "partition": profile_partition()}
 # the config as the library resolves it: the checks a schema cannot make (slurm.gres against
-# slurm.gpus, the tracking and container URIs) and the values it fills in (slurm.gpus)
+# slurm.gpus, the tracking and container URIs, Slurm sizes against the partition's nodes)
+# and the values it fills in (slurm.gpus, slurm.cpus_per_gpu and slurm.mem_mb from sinfo)
 config.update(yaml.safe_load(ddpflow_stdin("validate").stdout))
 
 
@@ -208,6 +227,70 @@ def slurm_resources(cfg=config):
         if s[key]:
             res[f"slurm_{key}"] = s[key]
     return res
+
+
+def slurm_preflight():
+    """Under the Slurm executor, once before anything is submitted: `sbatch --test-only`
+    with each distinct request of the jobs to run, as the executor's own sbatch line builder
+    makes it. A request Slurm refuses (more than any node has, an unknown account or
+    partition) stops the workflow here with sbatch's reason, once; submitted, the refusal
+    would count as a failed job and come back with every retry of the profile."""
+    plugin = getattr(workflow, "executor_plugin", None)
+    if getattr(plugin, "name", None) != "slurm":
+        return
+    try:  # the plugin's own builders (2.7.1 .. 2.8 keep them here)
+        from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+        from snakemake_executor_plugin_slurm.utils import set_gres_string
+    except ImportError:
+        print("ddpflow: note: no Slurm pre-flight check", file=sys.stderr)
+        return
+
+    calls = {}
+    for job in workflow.dag.needrun_jobs():
+        if job.is_local or job.is_group():
+            continue
+        r = job.resources
+        params = {
+            "run_uuid": "ddpflow-preflight",
+            "slurm_logfile": "/dev/null",
+            "comment_str": "ddpflow-preflight",  # one check per distinct request
+            "account": (
+                f"-A {shell_word(r['slurm_account'])}" if r.get("slurm_account") else ""
+            ),
+            "partition": (
+                f"-p {shell_word(r['slurm_partition'])}"
+                if r.get("slurm_partition")
+                else ""
+            ),
+            "workdir": None,
+        }
+        try:
+            call = get_submit_command(job, params, settings=workflow.executor_settings)
+        except TypeError:  # plugins before 2.8 take no settings
+            call = get_submit_command(job, params)
+        call += set_gres_string(job)
+        calls.setdefault(
+            call.replace("sbatch --parsable", "sbatch --test-only", 1), job
+        )
+    for call, job in calls.items():
+        r = subprocess.run(
+            call + " --wrap=true", shell=True, capture_output=True, text=True
+        )
+        if r.returncode:
+            lines = [l.strip() for l in r.stderr.splitlines() if l.strip()]
+            # what it asks for: the words after the name, log and comment
+            asked = call.split(" --comment ")[1].split(" ", 1)[1]
+            sys.exit(
+                f"ddpflow: Slurm refuses the jobs of rule {job.rule.name}: "
+                f"{'; '.join(lines) or f'sbatch exit {r.returncode}'}. Nothing was "
+                f"submitted. They ask for: {asked}. Check the partition, the account and "
+                f"the sizes in the config's slurm: section (docs/slurm.md, 'What to "
+                f"size'; sinfo -N -o '%P %N %c %m %G' lists the nodes)"
+            )
+
+
+onstart:
+    slurm_preflight()
 
 
 def image_inputs():

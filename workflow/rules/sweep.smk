@@ -19,6 +19,7 @@ if SWEEP:
         # with their reason (onerror below).
         if hasattr(getattr(workflow, "scheduler", None), "keepgoing"):
             workflow.scheduler.keepgoing = True
+        slurm_preflight()  # this onstart replaces common.smk's
 
     rule sweep_prepare_data:
         input:

@@ -136,9 +136,9 @@ class SlurmCfg:
     gpus: int  # GPUs per training job (Snakemake resource gpu=); 0 = a CPU-only job
     gres: str | None  # gpu:N or gpu:type:N, sent as --gres instead of gpu= (gpus = N)
     gpu_model: str | None
-    cpus_per_gpu: int
+    cpus_per_gpu: int | None  # None: a GPU's share of a node (launch/slurmsizes.py)
     cpus: int  # CPUs of a CPU-only job (gpus: 0)
-    mem_mb: int  # MiB of host memory per training job
+    mem_mb: int | None  # MiB of host memory per training job (and node); None: a share
     runtime_min: int  # minutes of wall time per job
     partition: str | None
     account: str | None

@@ -34,13 +34,40 @@ def srun_command(cfg: Config, n: int, resolved: Path, restarts: str, train: list
     job = os.environ.get("SLURM_JOB_ID", "ddpflow")
     port = hw.rdzv_port or free_port()
     cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-           "--kill-on-bad-exit=1", sys.executable, "-m", "ddpflow.launch.rollcall",
-           str(roll_call_dir(resolved)), hosts[0], str(port), str(hw.timeout_s), "--",
+           *step_resources(cfg), "--kill-on-bad-exit=1", sys.executable, "-m",
+           "ddpflow.launch.rollcall", str(roll_call_dir(resolved)), hosts[0], str(port),
+           str(hw.timeout_s), "--",
            sys.executable, "-m", "torch.distributed.run",
            f"--nnodes={nodes}", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id={job}",
            f"--rdzv-conf=join_timeout={hw.timeout_s}", restarts, *train]
     return cmd
+
+
+def step_resources(cfg: Config) -> list[str]:
+    """The srun step's CPUs (and GPUs) on each node, asked for explicitly: since Slurm 22.05
+    srun no longer takes --cpus-per-task from the batch job, so a node's torchrun and all its
+    ranks could end up on one core. What the job holds on each node (scontrol), else what
+    the config's slurm: section asks for."""
+    held = _job_per_node(_job_fields(os.environ.get("SLURM_JOB_ID")))
+    if held is None:
+        s, nodes = cfg.slurm, cfg.hardware.nodes
+        gpus = (s.gpus if s.gres else -(-s.gpus // nodes)) if s.gpus else 0
+        held = ((s.cpus_per_gpu or 1) * gpus if gpus else s.cpus), gpus
+    cpus, gpus = held
+    return [f"--cpus-per-task={max(1, cpus)}", *([f"--gres=gpu:{gpus}"] if gpus else [])]
+
+
+def _job_per_node(fields: dict[str, str]) -> tuple[int, int] | None:
+    """(CPUs, GPUs) a running job holds on each of its nodes, from its TRES (cpu=4,node=2,
+    gres/gpu=4 -> 2 CPUs and 2 GPUs a node); None when that is not known."""
+    tres = dict(kv.split("=", 1) for kv in fields.get("TRES", "").split(",") if "=" in kv)
+    try:
+        nodes, cpus = int(tres["node"]), int(tres["cpu"])
+        gpus = int(tres.get("gres/gpu", "0"))
+    except (KeyError, ValueError):
+        return None
+    return (cpus // nodes, gpus // nodes) if nodes > 0 else None
 
 
 def roll_call_dir(resolved: Path) -> Path:
@@ -85,17 +112,20 @@ def slurm_hosts() -> list[str]:
 def _job_nodelist(job: str | None) -> str | None:
     """The node list of a job, asked of Slurm: Snakemake's Slurm job step keeps only
     SLURM_JOB_ID of the allocation's variables in the environment it runs a rule in."""
+    nodelist = _job_fields(job).get("NodeList")
+    return nodelist if nodelist and nodelist != "(null)" else None
+
+
+def _job_fields(job: str | None) -> dict[str, str]:
+    """`scontrol show job -o <job>` as name -> value; empty when there is no such job."""
     if not job:
-        return None
+        return {}
     try:
         out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
                              text=True, check=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
-    for field in out.split():
-        if field.startswith("NodeList=") and field != "NodeList=(null)":
-            return field.split("=", 1)[1]
-    return None
+        return {}
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
 def check_slurm_gpus(cfg: Config) -> None:
