@@ -32,6 +32,10 @@ include: "workflow/rules/collect.smk"
 include: "workflow/rules/sweep.smk"
 
 
+onstart:
+    on_start()  # common.smk: the Slurm pre-flight check, --keep-going for a sweep
+
+
 rule all:
     default_target: True
     input:

@@ -1,6 +1,7 @@
 # Small helpers shared by the files under rules/ (paths, the config file every `ddpflow` call
 # reads, and the parameters that decide what a changed setting reruns).
 import json
+import os
 import hashlib
 import re
 import shutil
@@ -252,7 +253,7 @@ def slurm_preflight():
         r = job.resources
         params = {
             "run_uuid": "ddpflow-preflight",
-            "slurm_logfile": "/dev/null",
+            "slurm_logfile": os.devnull,
             "comment_str": "ddpflow-preflight",  # one check per distinct request
             "account": (
                 f"-A {shell_word(r['slurm_account'])}" if r.get("slurm_account") else ""
@@ -274,14 +275,15 @@ def slurm_preflight():
         )
     for call, job in calls.items():
         r = subprocess.run(
-            call + " --wrap=true", shell=True, capture_output=True, text=True
+            f"{call} --wrap=true", shell=True, capture_output=True, text=True
         )
         if r.returncode:
             lines = [l.strip() for l in r.stderr.splitlines() if l.strip()]
             # what it asks for: the words after the name, log and comment
             asked = call.split(" --comment ")[1].split(" ", 1)[1]
             sys.exit(
-                f"ddpflow: Slurm refuses the jobs of rule {job.rule.name}: "
+                f"ddpflow: Slurm refuses the jobs of rule "  # (one line would read as
+                f"{job.rule.name}: "  # a rule to `snakemake --lint`)
                 f"{'; '.join(lines) or f'sbatch exit {r.returncode}'}. Nothing was "
                 f"submitted. They ask for: {asked}. Check the partition, the account and "
                 f"the sizes in the config's slurm: section (docs/slurm.md, 'What to "
@@ -289,7 +291,13 @@ def slurm_preflight():
             )
 
 
-onstart:
+def on_start():
+    """Snakefile's onstart: the Slurm pre-flight check; for a sweep, `--keep-going`: one
+    failed trial does not stop the others (the Slurm profile sets it; Snakemake has no
+    public way for a Snakefile to, so this sets the scheduler's flag where Snakemake 9
+    keeps it). The leaderboard lists failed trials with their reason."""
+    if SWEEP and hasattr(getattr(workflow, "scheduler", None), "keepgoing"):
+        workflow.scheduler.keepgoing = True
     slurm_preflight()
 
 

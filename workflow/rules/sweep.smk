@@ -12,15 +12,6 @@ if SWEEP:
     )
     FIRST = TCFG[PLAN["trials"][0]["id"]]  # Slurm resources: the same for every trial
 
-    onstart:
-        # one failed trial does not stop the others: `--keep-going` for sweeps (the Slurm
-        # profile sets it; Snakemake has no public way for a Snakefile to, so this sets the
-        # scheduler's flag where Snakemake 9 keeps it). The leaderboard lists failed trials
-        # with their reason (onerror below).
-        if hasattr(getattr(workflow, "scheduler", None), "keepgoing"):
-            workflow.scheduler.keepgoing = True
-        slurm_preflight()  # this onstart replaces common.smk's
-
     rule sweep_prepare_data:
         input:
             lambda w: data_inputs(TCFG[DATASETS[w.dataset]["id"]]),
