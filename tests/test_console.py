@@ -48,3 +48,15 @@ def test_log_option_on_a_mistake_gives_the_one_line_error_on_both(tmp_path):
     assert proc.stderr.startswith("ddpflow: error: ") and "missing.yaml" in proc.stderr
     assert proc.stderr.count("\n") == 1 and "the last exception" not in proc.stderr
     assert log.read_text() == proc.stderr
+
+
+def test_a_log_that_cannot_be_written_is_one_message_and_runs_nothing(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")  # a file where the log's folder would be
+    proc = subprocess.run([sys.executable, "-m", "ddpflow", f"--log={blocker}/sub/x.log",
+                           "validate", "--config", str(REPO / "config/config.yaml")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.startswith("ddpflow: error: cannot write the log ") and \
+        proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert blocker.read_text() == "mine"

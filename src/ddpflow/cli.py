@@ -350,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     from ddpflow.core.teelog import run_logged
 
-    return run_logged(Path(log), lambda: _main(argv))  # the one-line error: log and console
+    try:
+        return run_logged(Path(log), lambda: _main(argv))  # one-line errors: log and console
+    except UserError as e:  # the log itself (_main reports every other mistake)
+        print(f"ddpflow: error: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 def _main(argv: list[str]) -> int:

@@ -17,6 +17,8 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from ddpflow.core.errors import UserError
+
 SHOWN = re.compile(rb"^(ddpflow: |\[[\w.+-]+\] )")
 # the last line of a Python traceback, in a rank's output ("[rank1]: RuntimeError: ...") or the
 # process's own; torchrun's summary of its failed children is not the cause
@@ -67,8 +69,12 @@ def tee_log(path: Path, shown: re.Pattern = SHOWN):
     does); lines matching `shown` also reach the console the command was started with.
     Yields a Tee whose last_error is complete once the block has ended."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(path, "wb")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(path, "wb")
+    except OSError as e:  # before anything is redirected: the message reaches the console
+        raise UserError(f"cannot write the log {path}: {e.strerror or e}; give --log a "
+                        f"file in a folder you can write") from None
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
