@@ -78,7 +78,7 @@ def test_export_check_fails_on_a_changed_top_class_passes_at_the_tolerance_and_r
     # the exporter fails: reported for that format, its half-written file removed
     monkeypatch.setitem(export.WRITERS, "torchscript", fails)
     assert export._write_format("torchscript", None, x, ref, path) == {
-        "ok": False, "error": "ValueError: no tracer for this"}
+        "ok": False, "error": "ValueError: no tracer for this", "checked_on": ["cpu"]}
     assert not path.exists()
     monkeypatch.setitem(export.WRITERS, "torchscript", lambda m, x, path: fails(
         m, x, path, write=False))

@@ -272,12 +272,14 @@ def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypa
     cfg = load_config(p)
     resolved = cfg.stage_dir("s1") / "config.json"
     cmd, env = plan(cfg, "s1", resolved)
-    assert cmd[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
-                       "--kill-on-bad-exit=1"]
+    assert cmd[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    # the step asks for its CPUs itself (srun no longer inherits --cpus-per-task)
+    k = cmd.index("--kill-on-bad-exit=1")
+    assert cmd[4].startswith("--cpus-per-task=") and k in (5, 6)  # (+ --gres=gpu:N)
     assert "--nnodes=2" in cmd and "--rdzv-backend=c10d" in cmd and "--rdzv-id=4242" in cmd
     assert any(a.startswith("--rdzv-endpoint=localhost:") for a in cmd)
     assert "--rdzv-conf=join_timeout=600" in cmd  # hardware.timeout_s: a node's time to join
-    assert cmd[6:8] == ["-m", "ddpflow.launch.rollcall"]  # each node answers a roll call first
+    assert cmd[k + 2:k + 4] == ["-m", "ddpflow.launch.rollcall"]  # each node answers a roll call first
     resolved.parent.mkdir(parents=True)
     write_json_atomic(resolved, cfg.to_dict())
     per_node = cmd[cmd.index(sys.executable):]

@@ -275,8 +275,10 @@ class Config:
         # how often we look and save, and where results live: not what is computed (a moved
         # or renamed results folder stays valid; a preempted stage resumes after its
         # checkpoint settings changed)
+        # nor what a Slurm job asks of a node (slurm:, sizes filled in from sinfo where the
+        # workflow runs: `ddpflow collect --config my.yaml` by hand sees the same results)
         for key in ("log_every_steps", "stop_check_s", "checkpoint", "results_dir", "run",
-                    "sweep", "tracking", "profile"):
+                    "sweep", "tracking", "profile", "slurm"):
             d.pop(key, None)
         for key in ("slots", "rdzv_port"):  # which GPUs/cores and port, and where the data
             d["hardware"].pop(key, None)
