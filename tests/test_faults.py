@@ -279,7 +279,7 @@ def test_multi_node_launch_line_and_two_agents_on_one_machine(tmp_path, monkeypa
     assert "--nnodes=2" in cmd and "--rdzv-backend=c10d" in cmd and "--rdzv-id=4242" in cmd
     assert any(a.startswith("--rdzv-endpoint=localhost:") for a in cmd)
     assert "--rdzv-conf=join_timeout=600" in cmd  # hardware.timeout_s: a node's time to join
-    assert cmd[k + 2:k + 4] == ["-m", "ddpflow.launch.rollcall"]  # each node answers a roll call first
+    assert cmd[k + 2:k + 4] == ["-m", "ddpflow.launch.rollcall"]  # a roll call first
     resolved.parent.mkdir(parents=True)
     write_json_atomic(resolved, cfg.to_dict())
     per_node = cmd[cmd.index(sys.executable):]
