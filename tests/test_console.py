@@ -15,6 +15,7 @@ print("plain output, log only")
 sys.stdout.flush()
 sys.stderr.write("ddpflow: stage 'a': 2 rank(s) on cpu\n")
 sys.stderr.write("[a]  5%|#  | 1/20\r[a] step 4/20: loss 2.1\n")
+sys.stderr.write("[a] step 8/20: loss 2.0, data wait 3%")  # another rank's text lands here
 sys.stderr.write("[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: bad shape\n")
 sys.stderr.write("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
 sys.stderr.write("ddpflow: error: the end, without a newline")
@@ -34,6 +35,7 @@ def test_tee_sends_everything_to_the_log_and_ddpflow_lines_to_the_console(tmp_pa
     # the console: only ddpflow's lines, a redrawn bar as its last state, the unended last line
     assert console.splitlines() == ["ddpflow: stage 'a': 2 rank(s) on cpu",
                                     "[a] step 4/20: loss 2.1",
+                                    "[a] step 8/20: loss 2.0, data wait 3%",
                                     "ddpflow: error: the end, without a newline"]
     # the cause of a crash is the rank's exception, not torchrun's summary of it
     assert tee.last_error == "[rank1]: ValueError: bad shape"

@@ -24,6 +24,9 @@ SHOWN = re.compile(rb"^(ddpflow: |\[[\w.+-]+\] )")
 # process's own; torchrun's summary of its failed children is not the cause
 RAISED = re.compile(rb"^(\[rank\d+\]: )?(?!\S*ChildFailedError)"
                     rb"[A-Za-z_][\w.]*(Error|Exception)\b.*")
+# where torch's rank-prefixed output starts ("[rank1]: Traceback ..."): ranks share the pipe,
+# and another rank's text can land inside a line before its newline
+RANK_PREFIX = re.compile(rb"(?=\[rank\d+\]:)")
 DRAIN_S = 10.0  # seconds to wait for a child that still holds the pipe (a daemon) at the end
 
 
@@ -43,11 +46,12 @@ def _pump(read_fd: int, log, console_fd: int, shown: re.Pattern, tee: Tee) -> No
         *lines, pending = pending.split(b"\n")
         for line in lines:
             # a progress bar's redraws end in \r: the console gets the last state only
-            line = line.rsplit(b"\r", 1)[-1]
-            if shown.match(line):
-                os.write(console_fd, line + b"\n")
-            elif RAISED.match(line):
-                tee.last_error = line.decode(errors="replace")[:400]
+            first, *others = RANK_PREFIX.split(line.rsplit(b"\r", 1)[-1])
+            if shown.match(first):
+                os.write(console_fd, first + b"\n")
+            for part in (first, *others):
+                if RAISED.match(part):
+                    tee.last_error = part.decode(errors="replace")[:400]
     if pending and shown.match(pending):
         os.write(console_fd, pending + b"\n")
     os.close(read_fd)
