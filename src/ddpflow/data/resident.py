@@ -107,8 +107,7 @@ def node_group():
 
 def _gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
     """Every rank's equal-sized `mine`, in rank order, into `out` (one collective)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=group)
+    dist.all_gather_into_tensor(out, mine, group=group)
 
 
 def _move_down(t: torch.Tensor, src: int, dst: int, n: int) -> None:
