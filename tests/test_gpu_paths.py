@@ -297,7 +297,7 @@ def test_a_resumed_fused_optimizer_keeps_each_parameters_layout():
     and fused SGD then read a contiguous momentum buffer beside a channels_last weight.
     Saved in its own layout, restored into the parameter's, a resumed step is exact."""
     from ddpflow.engine.checkpoint import HostCopy
-    from ddpflow.engine.saver import _match_layouts
+    from ddpflow.engine.resume import _match_layouts
 
     def run(resume_via_host: bool, contiguous_state: bool):
         torch.manual_seed(0)
@@ -420,7 +420,7 @@ def test_compile_with_deterministic_is_one_message(tmp_path, where):
 _RESTORE_BODY = """
 from types import SimpleNamespace
 from ddpflow.core.errors import UserError
-from ddpflow.engine import checkpoint, saver
+from ddpflow.engine import checkpoint, resume
 files = SimpleNamespace(ckpt_dir=__import__("pathlib").Path(sys.argv[1]), resume_key="k")
 model = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -429,12 +429,14 @@ scaler = torch.amp.GradScaler("cpu", enabled=False)
 if d.rank == 1:  # this rank's listing missed the newest checkpoint (a write landing between)
     listing = checkpoint.list_checkpoints
     checkpoint.list_checkpoints = lambda folder: listing(folder)[:-1]
-path, saved = saver.restore(files, d, model, opt, sched, scaler, None)
-out = {"step": saved["step"], "bias": float(model.bias), "file": path.name}
+chosen = resume.choose(files, d)
+saved = resume.restore(chosen, files, d, model, opt, sched, scaler, None, False, 1)
+out = {"step": saved["step"], "bias": float(model.bias), "file": chosen.path.name}
 if d.rank == 1:  # the file rank 0 chose cannot be read here: every rank stops, one message
     checkpoint.load = lambda p, map_location="cpu": open("/nonexistent/" + p.name, "rb")
 try:
-    saver.restore(files, d, model, opt, sched, scaler, None)
+    resume.restore(resume.choose(files, d), files, d, model, opt, sched, scaler, None, False,
+                   1)
 except UserError as e:
     out["error"] = str(e)
 print(json.dumps(out), flush=True)

@@ -288,6 +288,11 @@ def _check_sources(d: dict[str, Any]) -> None:
                         f"'{d['data']['source']}' (the folder or archive with the files)")
 
 
+def _names(v):
+    """A YAML list of names as a tuple (a frozen config); true/false/null as they are."""
+    return tuple(v) if isinstance(v, list) else v
+
+
 def _build(d: dict[str, Any]) -> Config:
     data = dict(d["data"])
     data["augment"] = Augment(**data["augment"])
@@ -296,8 +301,10 @@ def _build(d: dict[str, Any]) -> Config:
     hw["slots"] = SlotsCfg(**hw["slots"])
     sweep = {**d["sweep"], "variants": tuple(d["sweep"]["variants"]),
              "random": d["sweep"].get("random")}
-    model = {**d["model"], "freeze": tuple(d["model"]["freeze"])}
-    stages = [{**s, "freeze": None if s["freeze"] is None else tuple(s["freeze"])}
+    model = {**d["model"], "freeze": tuple(d["model"]["freeze"]),
+             "shard_blocks": _names(d["model"]["shard_blocks"])}
+    stages = [{**s, "freeze": None if s["freeze"] is None else tuple(s["freeze"]),
+               "activation_checkpointing": _names(s["activation_checkpointing"])}
               for s in d["stages"]]
     return Config(
         run=d["run"], results_dir=d["results_dir"], seed=d["seed"],

@@ -82,7 +82,31 @@ def check_stage_recipe(d: dict[str, Any]) -> None:
                 raise UserError(f"{key}.progressive_resize: a stage of 1 epoch trains at "
                                 f"start_size {start} only and never reaches {end}; set "
                                 f"stages.{i}.epochs >= 2, or drop progressive_resize")
+        _check_strategy(key, st)
         if st["warmup_epochs"] > st["epochs"]:
             raise UserError(f"{key}.warmup_epochs: {st['warmup_epochs']} is more than the "
                             f"stage's {st['epochs']} epoch(s); the learning rate would never "
                             f"reach lr: set warmup_epochs <= {st['epochs']}")
+
+
+def _check_strategy(key: str, st: dict) -> None:
+    """What strategy fsdp does not go with, and its own key under another strategy."""
+    if st["strategy"] != "fsdp":
+        if not st["reshard_after_forward"]:
+            raise UserError(f"{key}.reshard_after_forward: false is a setting of strategy "
+                            f"fsdp, and this stage's strategy is {st['strategy']}; drop it, "
+                            f"or set strategy: fsdp")
+        return
+    clash = ("ema" if st["ema"]["decay"] is not None else "compile" if st["compile"]
+             else "precision" if st["precision"] == "fp16" else None)
+    if clash == "ema":
+        raise UserError(f"{key}.ema: an EMA of the weights is not kept under strategy fsdp "
+                        f"(each rank holds a shard of them); set ema.decay: null, or "
+                        f"strategy: ddp")
+    if clash == "compile":
+        raise UserError(f"{key}.compile: torch.compile is not offered with strategy fsdp "
+                        f"yet; set compile: false, or strategy: ddp")
+    if clash == "precision":
+        raise UserError(f"{key}.precision: fp16 does not go with strategy fsdp (the "
+                        f"GradScaler would skip steps on some ranks only); set precision: "
+                        f"bf16 or fp32, or strategy: ddp")

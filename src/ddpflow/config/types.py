@@ -71,6 +71,7 @@ class ModelCfg:
     weights_partial: bool  # weights may differ beyond the final layer (what fits is loaded)
     freeze: tuple[str, ...]  # parameter name prefixes kept frozen (a stage may override)
     sync_bn: bool
+    shard_blocks: tuple[str, ...] | None  # block classes (FSDP units, checkpointed); None: found
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,9 @@ class StageCfg:
     precision: str
     channels_last: bool | str  # true | false | "auto" (train.py decides; the summary says)
     compile: bool
-    strategy: str
+    strategy: str  # ddp | fsdp | dp
+    reshard_after_forward: bool  # fsdp: free gathered parameters after each block's forward
+    activation_checkpointing: bool | tuple[str, ...]  # true: the model's blocks; or classes
     init_from: str | None
     freeze: tuple[str, ...] | None  # parameter name prefixes frozen here (None = model.freeze)
     validate_every_epochs: int  # epochs between validations (the last is always validated)
@@ -268,8 +271,10 @@ class Config:
     def hash(self) -> str:
         return config_hash(self.to_dict())
 
-    def stage_hash(self, name: str) -> str:
-        """Hash of what one stage's result depends on: everything but the other stages."""
+    def stage_hash(self, name: str, placement: bool = True) -> str:
+        """Hash of what one stage's result depends on: everything but the other stages.
+        placement False: also without how many ranks, nodes and GPUs run it (a checkpoint's
+        resume key: a requeue onto fewer GPUs resumes, keeping its global batch)."""
         d = self.to_dict()
         d["stages"] = d["stages"][: self.stage_index(name) + 1]
         # how often we look and save, and where results live: not what is computed (a moved
@@ -282,6 +287,10 @@ class Config:
             d.pop(key, None)
         for key in ("slots", "rdzv_port"):  # which GPUs/cores and port, and where the data
             d["hardware"].pop(key, None)
+        if not placement:
+            for key in ("nproc_per_node", "devices", "nodes", "threads_per_rank",
+                        "max_restarts", "timeout_s"):
+                d["hardware"].pop(key, None)
         d["data"].pop("prepared_dir", None)  # lives: not what is computed
         return config_hash(d)
 

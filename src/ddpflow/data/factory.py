@@ -6,7 +6,7 @@
 `(input, target)`; each of the two is a tensor (or a number), or a tuple / dict of them.
 Batches come from torch's DataLoader
 (workers, pinned memory, persistent workers, prefetch from data.*) over the same
-`EpochSampler` as the prepared data: DistributedSampler order with a start offset, so a
+`EpochSampler` as the prepared data: slots of one permutation with a start offset, so a
 resumed epoch skips exactly the batches already trained. The model is called as
 model(input), model(*input) for a tuple, model(**input) for a dict.
 
@@ -85,9 +85,10 @@ def to_device(batch, device: torch.device):
 class FactoryBatches:
     """One rank's training batches of a user dataset, epoch by epoch, resumable mid-epoch."""
 
-    def __init__(self, ds, batch_size, device, world, rank, seed, data_cfg, trace=None):
+    def __init__(self, ds, batch_size, device, world, rank, seed, data_cfg, trace=None,
+                 accum: int = 1):
         self.batch_size, self.device, self.trace = batch_size, device, trace
-        self.sampler = EpochSampler(len(ds), world, rank, seed)
+        self.sampler = EpochSampler(len(ds), world, rank, seed, batch_size, accum)
         workers = data_cfg.num_workers
         extra = dict(persistent_workers=data_cfg.persistent_workers,
                      prefetch_factor=data_cfg.prefetch_factor) if workers > 0 else {}

@@ -1,9 +1,10 @@
 """Training and validation batches from a prepared dataset, on the training device.
 
 Both loaders draw each rank's share of an epoch from the same `EpochSampler`
-(torch's DistributedSampler order, plus a start offset for exact resume), and both
-run augmentation and normalisation as batched tensor ops on the device, seeded
-per (seed, epoch, step, rank). So for the same seed they yield the same batches:
+(one permutation per epoch cut into slots of a batch, plus a start offset for exact
+resume, on any number of ranks), and both run augmentation and normalisation as batched
+tensor ops on the device, seeded per (seed, epoch, step, slot): a sample is augmented
+alike whichever rank trains it. So for the same seed they yield the same batches:
     device      the whole uint8 dataset lives in device memory; a batch is an index_select
     dataloader  torch DataLoader workers read the memory-mapped arrays; pinned, non-blocking copy
 """
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ddpflow.config import Augment
 from ddpflow.core.errors import UserError
@@ -29,19 +30,40 @@ from ddpflow.data.resident import read_rows, resident_split, upload
 from ddpflow.data.shards import JpegImages, decode_cuda
 
 
-class EpochSampler(DistributedSampler):
-    """DistributedSampler whose epoch can start at an offset (samples already seen)."""
+class EpochSampler(Sampler):
+    """This rank's samples of an epoch, in the order of its micro-batches, from an offset.
 
-    def __init__(self, n: int, world: int, rank: int, seed: int):
-        super().__init__(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed)
-        self.start = 0
+    An epoch is one permutation of the split (seeded by seed + epoch, as DistributedSampler
+    draws it), cut into optimizer steps of the global batch G = batch x world x accum, and
+    each step into world x accum slots of `batch` consecutive samples: rank r's micro-batch m
+    of a step is slot m x world + r. A slot holds the same samples whatever the number of
+    ranks, so a run resumed on other ranks (accumulation adapted to keep G) trains every step
+    on the same samples, every micro-batch on the same slot (BatchNorm sees the same batch).
+    The n % G samples beyond the last whole step sit this epoch out (others each epoch)."""
+
+    def __init__(self, n: int, world: int, rank: int, seed: int, batch: int = 1,
+                 accum: int = 1):
+        self.n, self.world, self.rank, self.seed = n, world, rank, seed
+        self.batch, self.accum = batch, accum
+        self.steps = n // (batch * world * accum)  # whole optimizer steps per epoch
+        self.num_samples = self.steps * accum * batch  # this rank's, per epoch
+        self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.start = start
+        self.epoch, self.start = epoch, start
+
+    def slot(self, micro: int) -> tuple[int, int]:
+        """(optimizer step, slot) of this rank's micro-batch `micro` of the epoch."""
+        step, m = divmod(micro, self.accum)
+        return step, m * self.world + self.rank
 
     def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g)[:self.steps * self.batch * self.world
+                                                     * self.accum]
+        mine = order.view(self.steps, self.accum, self.world, self.batch)[:, :, self.rank]
+        return iter(mine.reshape(-1)[self.start:].tolist())
 
     def __len__(self):
         return self.num_samples - self.start
@@ -172,7 +194,8 @@ class TrainBatches:
     def __init__(self, kind, images, labels, batch_size, device, world, rank, seed, aug,
                  normalize, num_workers=0, pin_memory=False, persistent_workers=False,
                  prefetch_factor=2, trace=None, recipe: Recipe | None = None,
-                 image_size: int | None = None, max_bad: float = 0.0, resident=None):
+                 image_size: int | None = None, max_bad: float = 0.0, resident=None,
+                 accum: int = 1):
         self.trace = trace  # optional text file: "epoch step idx..." per batch (an audit)
         self.image_size = image_size or images.shape[1]  # what training sees (<= stored)
         self.recipe = recipe if recipe is not None and recipe.active else None
@@ -190,7 +213,7 @@ class TrainBatches:
             self.images, self.labels = resident or resident_split(images, labels, device,
                                                                   self.bad)
         self.sampler = EpochSampler(len(self.labels) if kind == "device" else len(labels),
-                                    world, rank, seed)
+                                    world, rank, seed, batch_size, accum)
         self.steps_per_epoch = self.sampler.num_samples // batch_size
         if kind != "device":
             workers = dict(persistent_workers=persistent_workers,
@@ -220,10 +243,12 @@ class TrainBatches:
         for step, (x, y, idx) in enumerate(triples, start=start_step):
             if self.trace:
                 self.trace.write(f"{epoch} {step} {' '.join(map(str, idx.tolist()))}\n")
-            g = step_generator(self.device, self.seed, epoch, step, self.rank)
+            # keyed by the slot, not the rank: the same draws on any number of ranks
+            step_slot = self.sampler.slot(step)
+            g = step_generator(self.device, self.seed, epoch, *step_slot)
             x = self.transform(x, g, size)  # progressive resizing: this epoch's size
             if self.recipe:  # random erasing, mixup/cutmix of this stage (mixing.py)
-                x, y = apply_recipe(x, y, self.recipe, g, (self.seed, epoch, step, self.rank))
+                x, y = apply_recipe(x, y, self.recipe, g, (self.seed, epoch, *step_slot))
             yield x, y
 
     def _on_device(self, batch):

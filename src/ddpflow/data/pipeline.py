@@ -49,12 +49,13 @@ def close_workers(batches) -> None:
 def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                   model_channels: Callable[[int], int], channels_last: bool,
                   trace=None, recipe: Recipe | None = None,
-                  budget: tuple[int, str] | None = None) -> Pipeline:
+                  budget: tuple[int, str] | None = None, accum: int = 1) -> Pipeline:
     """`model_channels(data_channels)`: the channels the model wants (torchvision: 3);
     `recipe`: the stage's batch-level options (erasing, mixup, cutmix); `budget`: (bytes,
-    why) the data may take under data.loader auto, the same on every rank (the caller's)."""
+    why) the data may take under data.loader auto, the same on every rank (the caller's);
+    `accum`: micro-batches per optimizer step (the sampler's slots, loaders.EpochSampler)."""
     if meta.get("kind") == "python":
-        return _user_dataset(cfg, d, meta, batch_size, trace)
+        return _user_dataset(cfg, d, meta, batch_size, trace, accum)
     _, arrays = prepared.load(cfg.data_dir)
     train_x, train_y = arrays["train"]
     # what the device loader keeps resident: train and val (test is read once, streamed)
@@ -75,7 +76,7 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                          cfg.data.persistent_workers, prefetch, trace=trace,
                          recipe=recipe and replace(recipe, num_classes=meta["num_classes"]),
                          image_size=cfg.data.image_size,
-                         max_bad=cfg.data.max_bad_fraction)
+                         max_bad=cfg.data.max_bad_fraction, accum=accum)
     # validation and test: unaugmented, the standard centre crop (held on the device by
     # the device loader; the test split only once, at the stage's end)
     held = {split: val_batches(*arrays[split], d.device, d.world, d.rank, normalize,
@@ -87,12 +88,12 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                     len(train_y), normalize)
 
 
-def _user_dataset(cfg, d, meta, batch_size, trace) -> Pipeline:
+def _user_dataset(cfg, d, meta, batch_size, trace, accum: int) -> Pipeline:
     train_ds, val_ds = factory.dataset(cfg, "train"), factory.dataset(cfg, "val")
     info = factory.describe(train_ds, factory.check_item(train_ds, "train", cfg))
     factory.check_item(val_ds, "val", cfg, info["in_channels"])
     train = factory.FactoryBatches(train_ds, batch_size, d.device, d.world, d.rank, cfg.seed,
-                                   cfg.data, trace)
+                                   cfg.data, trace, accum)
 
     def held_out(split: str):
         def batches(val_batch: int):

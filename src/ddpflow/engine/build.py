@@ -16,7 +16,7 @@ from ddpflow.core.errors import UserError
 from ddpflow.data.loaders import free_memory
 from ddpflow.data.mixing import Recipe, progressive_sizes
 from ddpflow.data.pipeline import open_pipeline
-from ddpflow.engine import distributed, layout
+from ddpflow.engine import distributed, layout, sharding
 from ddpflow.engine.efficiency import peak_flops, replicas
 from ddpflow.engine.ema import Ema, open_ema
 from ddpflow.engine.runtime import build_optimizer, lr_factor, mixed_precision, schedule
@@ -27,19 +27,20 @@ from ddpflow.seams.models import build_model, input_channels, param_count, unwra
 from ddpflow.seams.tasks import build_task, monitor
 
 
-def data_parts(cfg, st, d, meta: dict, settings, trace, say) -> tuple:
-    """This rank's data pipeline (data/pipeline.py), its optimizer steps per epoch and the
-    stage's total steps. A batch larger than the training split is a user mistake."""
-    data = open_pipeline(cfg, d, meta, settings.batch_size, settings.tuned,
+def data_parts(cfg, st, d, meta: dict, settings, batch: int, accum: int, trace, say) -> tuple:
+    """This rank's data pipeline (data/pipeline.py) for `batch` per rank and `accum`
+    micro-batches per step, its optimizer steps per epoch and the stage's total steps. A
+    global batch larger than the training split is a user mistake."""
+    data = open_pipeline(cfg, d, meta, batch, settings.tuned,
                          lambda c: input_channels(cfg.model.name, c),
                          settings.channels_last is True, trace=trace,
                          recipe=Recipe(st.random_erasing, st.mixup_alpha, st.cutmix_alpha),
-                         budget=loader_budget(cfg, d, meta))
+                         budget=loader_budget(cfg, d, meta), accum=accum)
     say(f"loader: {data.kind} ({data.reason})")
-    steps_per_epoch = len(data.train) // st.grad_accum_steps  # a partial group is dropped
+    steps_per_epoch = len(data.train) // accum  # whole steps of the global batch
     if steps_per_epoch == 0:
-        raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size {settings.batch_size} x "
-                        f"{d.world} ranks x {st.grad_accum_steps} accumulation exceeds the "
+        raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size {batch} x "
+                        f"{d.world} ranks x {accum} accumulation exceeds the "
                         f"{data.train_samples} training samples; lower the batch size")
     total_steps = st.max_steps or st.epochs * steps_per_epoch
     if st.progressive_resize:  # training size per epoch; validation keeps its size
@@ -84,6 +85,8 @@ class ModelParts:
     init_report: dict | None
     channels_last: bool
     layout_reason: str
+    checkpointed: list  # blocks whose activations are recomputed in the backward
+    sharding: str | None  # strategy fsdp: what was sharded, and in which precision
 
 
 def model_parts(cfg, st, d, data, batch_size: int, precision: str, compile_: bool,
@@ -104,11 +107,43 @@ def model_parts(cfg, st, d, data, batch_size: int, precision: str, compile_: boo
     if on:
         model.to(memory_format=torch.channels_last)
         layout.channels_last_inputs(model)  # after the data's device crop, too
-    # DDP across ranks (DataParallel for strategy dp, a baseline only)
-    model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn, cfg.deterministic)
+    checkpointed, blocks = model_blocks(cfg, st, model)
+    sharding.checkpoint_blocks(checkpointed)  # activation checkpointing (before FSDP)
+    how = None
+    if st.strategy == "fsdp":  # each block sharded across the ranks, then the root
+        if cfg.model.sync_bn:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        how = sharding.shard(model, blocks, precision, st.reshard_after_forward)
+        say(f"fsdp: {how}")
+    else:  # DDP across ranks (DataParallel for strategy dp, a baseline only)
+        model = distributed.wrap(model, d, st.strategy, cfg.model.sync_bn, cfg.deterministic)
+    if checkpointed:
+        say(f"activation checkpointing: {len(checkpointed)} "
+            f"{sharding.class_name(checkpointed[0])} blocks "
+            f"recomputed in the backward")
     return ModelParts(model, torch.compile(model) if compile_ else model,
                       open_ema(st, unwrap(model)),  # None unless stages[].ema.decay is set
-                      task, mon, mode, init_src, init_report, on, why)
+                      task, mon, mode, init_src, init_report, on, why, checkpointed, how)
+
+
+def model_blocks(cfg, st, model) -> tuple[list, list]:
+    """(blocks to checkpoint, blocks to shard) of the stage's model (sharding.py): the
+    model's blocks (model.shard_blocks, or found), or the classes activation_checkpointing
+    lists. A model without blocks cannot be sharded (nor checkpointed): one message."""
+    where = f"stages.{cfg.stage_index(st.name)}"
+    ac = st.activation_checkpointing
+    if st.strategy != "fsdp" and not ac:
+        return [], []
+    blocks = sharding.find_blocks(model, cfg.model.shard_blocks, cfg.model.name)
+    if not blocks:
+        why = "strategy fsdp" if st.strategy == "fsdp" else "activation_checkpointing"
+        raise UserError(f"{where}.{why}: model {cfg.model.name} has {sharding.describe(model)}"
+                        f" to shard or recompute one by one; use strategy ddp without activation "
+                        f"checkpointing, or name its block classes in model.shard_blocks")
+    if isinstance(ac, tuple):
+        return sharding.find_blocks(model, ac, cfg.model.name,
+                                    f"{where}.activation_checkpointing"), blocks
+    return (blocks if ac else []), blocks
 
 
 def optimizer_parts(model, st, global_batch: int, steps_per_epoch: int, total_steps: int,
@@ -131,7 +166,8 @@ def stage_setup(parts: ModelParts, d, st, data, settings, accum: int, global_bat
         batch_size=settings.batch_size, accum=accum, world=d.world, device=d.device,
         backend=d.backend, global_batch=global_batch,
         precision=settings.precision, strategy=st.strategy,
-        wrapper=type(model).__name__ if model is not plain else None,
+        wrapper="FSDP" if parts.sharding else type(model).__name__ if model is not plain
+        else None, sharding=parts.sharding, checkpointed=len(parts.checkpointed),
         compile=settings.compile, tuned=settings.tuned, channels_last=parts.channels_last,
         layout_reason=parts.layout_reason, loader=data.kind, loader_reason=data.reason, lr=lr,
         init=parts.init_report, params=param_count(plain),

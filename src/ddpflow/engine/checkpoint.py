@@ -4,7 +4,9 @@ A checkpoint `ckpt-<step>.pt` is serialised in memory, hashed, written to a temp
 file, fsynced and renamed into place; its SHA-256 then goes into `ckpt-<step>.pt.sha256`
 (also atomic). A checkpoint without a matching sidecar (killed mid-write, truncated,
 corrupted) is skipped with a warning and the previous one is used. Loading uses
-`torch.load(weights_only=True)`: a checkpoint is data, never code.
+`torch.load(weights_only=True)`: a checkpoint is data, never code. An FSDP stage's
+checkpoints are folders `ckpt-<step>.dcp/` under the same rules (shardedckpt.py writes them;
+their sidecar lists every file's SHA-256).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 
 from ddpflow.core.checksum import sha256_of, verify  # noqa: F401 - checkpoint.verify/sha256_of
 
-PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
+PATTERN = re.compile(r"^ckpt-(\d+)\.(?:pt|dcp)$")
+STATE = "state.pt"  # the TrainState part of a sharded checkpoint folder
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -68,10 +71,39 @@ def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 def save(folder: Path, step: int, state: dict, keep_last: int) -> Path:
     path = Path(folder) / f"ckpt-{step:09d}.pt"
     save_file(path, state)
-    for _, old in list_checkpoints(folder)[:-keep_last]:
-        old.unlink(missing_ok=True)
-        Path(str(old) + ".sha256").unlink(missing_ok=True)
+    prune(folder, keep_last)
     return path
+
+
+def prune(folder: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints (files or sharded folders) of `folder`."""
+    for _, old in list_checkpoints(folder)[:-keep_last]:
+        _remove(old)
+        Path(str(old) + ".sha256").unlink(missing_ok=True)
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def empty_folder(path: Path) -> None:
+    """`path` (a sharded checkpoint's temp folder under checkpoints/) new and empty."""
+    _remove(path)
+    path.mkdir(parents=True)
+
+
+def place_folder(tmp: Path, final: Path) -> None:
+    """A finished sharded checkpoint's temp folder renamed into place (an older run's
+    folder of the same step, never resumed, replaced)."""
+    if final.exists():
+        _remove(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 class HostCopy:
@@ -149,14 +181,38 @@ def load(path: Path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def verify_folder(path: Path) -> str | None:
+    """A sharded checkpoint folder: None if every file its sidecar lists is there and
+    matches, else why not."""
+    side = Path(str(path) + ".sha256")
+    if not side.is_file():
+        return "no checksum file (the write did not finish)"
+    try:
+        listed = [line.split("  ", 1) for line in side.read_text(errors="replace").splitlines()
+                  if line.strip()]
+        if not any(len(x) == 2 and x[1] == STATE for x in listed):
+            return "checksum file cut short"
+        for entry in listed:
+            if len(entry) != 2 or sha256_of(path / entry[1]) != entry[0]:
+                return f"checksum mismatch in {entry[-1]} (truncated or corrupt)"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or type(e).__name__})"
+    return None
+
+
+def load_any(path: Path) -> dict:
+    """A checkpoint's state: the file, or a sharded folder's state.pt (its tensors stay)."""
+    return load(Path(path) / STATE if Path(path).is_dir() else path)
+
+
 def latest_valid(folder: Path, resume_key: str, warn=print) -> tuple[Path, dict] | None:
     """The newest checkpoint that verifies and was written by this very stage (same config,
-    code and starting weights: its resume_key), loaded."""
+    code and starting weights: its resume_key), loaded (a sharded one: its state.pt)."""
     for _, path in reversed(list_checkpoints(folder)):
-        problem = verify(path)
+        problem = verify_folder(path) if path.is_dir() else verify(path)
         if problem is None:
             try:
-                state = load(path)
+                state = load_any(path)
             except Exception as e:  # noqa: BLE001 - an unreadable file is skipped, not fatal
                 problem = f"cannot be loaded ({type(e).__name__})"
             else:
@@ -185,7 +241,7 @@ def remove_partial(folder: Path) -> None:
     if Path(folder).is_dir():
         for p in Path(folder).glob(".ckpt-*.tmp*"):
             print(f"ddpflow: removing unfinished checkpoint write {p.name}", file=sys.stderr)
-            p.unlink(missing_ok=True)
+            _remove(p)
 
 
 def load_weights(path: Path, setting: str) -> dict:

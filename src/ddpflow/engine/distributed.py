@@ -38,8 +38,9 @@ def pick_device(hw: HardwareCfg) -> torch.device:
     return torch.device("cuda") if use_cuda else torch.device("cpu")
 
 
-def setup(hw: HardwareCfg, process_group: bool = True) -> Dist:
-    """Read torchrun's environment, bind this rank to its GPU, join the process group."""
+def setup(hw: HardwareCfg, process_group: bool | str = True) -> Dist:
+    """Read torchrun's environment, bind this rank to its GPU, join the process group
+    (process_group "always": one of a single rank too, outside torchrun)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -54,11 +55,14 @@ def setup(hw: HardwareCfg, process_group: bool = True) -> Dist:
     threads = int(os.environ.get("DDPFLOW_THREADS", 0)) or max(1, cores // world)
     torch.set_num_threads(threads)
     backend = None
-    if process_group and "RANK" in os.environ:
+    if process_group and ("RANK" in os.environ or process_group == "always"):
         backend = "nccl" if device.type == "cuda" else "gloo"
+        # without torchrun (a lone process that still needs a group: FSDP), a group of one
+        alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0,
+                                                 "world_size": 1}
         # a hung collective fails after timeout_s instead of holding the allocation for hours
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=hw.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None, **alone)
     return Dist(rank, local_rank, world if backend else 1, device, backend)
 
 
@@ -120,12 +124,12 @@ def all_sum(d: Dist, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_min(d: Dist, value: int) -> int:
-    """The least of every rank's `value` (a collective)."""
+def all_min(d: Dist, value: int, op: str = "MIN") -> int:
+    """The least (op MAX: the largest) of every rank's `value` (a collective)."""
     if not d.backend:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return int(t.item())
 
 

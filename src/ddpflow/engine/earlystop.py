@@ -83,3 +83,19 @@ def summary(stop: dict) -> dict:
     target (time-to-target)."""
     return {"early_stop": stop.get("stopped"), "target": stop.get("target"),
             "time_to_target_s": (stop.get("target") or {}).get("wall_time_s")}
+
+
+def after_validation(rule, s, metrics: dict, t_start: float, wall_t0: float, say) -> dict:
+    """Early stopping's record after a validation (`s`: TrainState; `t_start`: when this
+    process's training began, perf_counter; `wall_t0`: its wall clock's start): the same
+    decision on every rank (all see the same all-reduced metrics), no collective."""
+    import time
+
+    now = time.perf_counter()
+    at = {"step": s.step, "epoch": s.epoch + 1,
+          "train_time_s": s.elapsed_s + now - t_start,
+          "wall_time_s": time.time() - wall_t0 + sum(s.wall_s.values())}
+    stop = check(rule, s.stop, metrics, at)
+    if "stopped" in stop:
+        say(f"stopping early at step {s.step}: {stop['stopped']['reason']}")
+    return stop

@@ -77,6 +77,8 @@ def build_optimizer(model: nn.Module, st, lr: float, device: torch.device):
     groups = [{"params": decay, "weight_decay": st.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
+    if st.optimizer == "sgd" and any(hasattr(p, "placements") for p in trained):
+        fused = {"foreach": True}  # FSDP's sharded parameters: no fused SGD for DTensors
     if st.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=st.momentum,
                                nesterov=st.nesterov and st.momentum > 0, **fused)
@@ -120,9 +122,10 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def weights_sha256(model: nn.Module) -> str:
+def weights_sha256(model: nn.Module | dict) -> str:
+    """SHA-256 of a module's (or a state dict's) names and tensor bytes."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in (model if isinstance(model, dict) else model.state_dict()).items():
         h.update(name.encode())
         h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -50,7 +50,7 @@ def progress_line(rec: dict, total_steps: int) -> str:
 def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dict, *,
                   test_metrics: dict, final_sha: str | None, train_time_s: float,
                   flops_per_micro: float | None, skipped: int, weight_hashes: list,
-                  rank_hosts: list) -> dict:
+                  rank_hosts: list, memory: list | None = None) -> dict:
     """summary.json of a finished stage: results, efficiency means, what it ran on, and the
     record of what it was made from (wall: wallclock.summary_block of all its runs)."""
     records, problems = read_records(files.out / "metrics.jsonl")
@@ -82,6 +82,9 @@ def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dic
         "peak_flops_per_gpu": setup.peak, "gpus_per_rank": len(setup.devices),
         "world_size": setup.world, "device": setup.device.type, "backend": setup.backend,
         "precision": setup.precision, "strategy": setup.strategy, "wrapper": setup.wrapper,
+        "sharding": setup.sharding, "checkpointed_blocks": setup.checkpointed,
+        # MiB per rank by kind (rankmemory.py), rank order; the report shows the largest
+        "memory_per_rank": memory or [],
         "batch_size_per_rank": setup.batch_size, "grad_accum_steps": setup.accum,
         "channels_last": setup.channels_last, "layout_reason": setup.layout_reason,
         "compile": setup.compile, "tuned": setup.tuned,
@@ -168,7 +171,7 @@ def write_results(files: StageFiles, setup: StageSetup, s: TrainState, end: Stag
             test_metrics=end.test_metrics, final_sha=final_sha,
             train_time_s=time.perf_counter() - end.train_t0,  # as summary.json is written
             flops_per_micro=end.flops_per_micro, skipped=end.skipped,
-            weight_hashes=end.weight_hashes, rank_hosts=end.rank_hosts)
+            weight_hashes=end.weight_hashes, rank_hosts=end.rank_hosts, memory=end.memory)
         if trackers:
             trackers.stage_end(files.config, summary["final_metrics"],
                                [files.out / "summary.json", files.out / "metrics.jsonl"])

@@ -36,6 +36,10 @@ class TrainState:
     wall_s: dict = field(default_factory=dict)  # earlier processes' wall split (wallclock.py)
     runs: int = 0  # earlier processes of this stage that left a checkpoint
     stop: dict = field(default_factory=dict)  # early stopping's counters and decision
+    # how it was trained: a resume on another number of ranks keeps the global batch
+    world: int = 0  # ranks (0: unknown, a checkpoint of an older ddpflow)
+    accum: int = 0  # micro-batches per optimizer step
+    batch_size: int = 0  # samples per rank per micro-batch
 
     @classmethod
     def from_checkpoint(cls, state: dict) -> "TrainState":
@@ -79,7 +83,9 @@ class StageSetup:
     global_batch: int  # batch_size x world x accum
     precision: str
     strategy: str
-    wrapper: str | None  # DistributedDataParallel / DataParallel, None for a plain module
+    wrapper: str | None  # DistributedDataParallel / FSDP / DataParallel, None: a plain module
+    sharding: str | None  # strategy fsdp: what was sharded and in which precision
+    checkpointed: int  # blocks under activation checkpointing
     compile: bool
     tuned: bool
     channels_last: bool
@@ -109,3 +115,4 @@ class StageEnd:
     skipped: int  # fp16 steps skipped
     model: dict  # the plain module's state dict
     ema: dict | None  # the EMA's weights, when stages[].ema is on
+    memory: list  # every rank's memory (rankmemory.py), rank order

@@ -1,18 +1,16 @@
-"""Train one stage with DistributedDataParallel + automatic mixed precision.
+"""Train one stage with DDP (or FSDP, sharding.py) + automatic mixed precision.
 
-Every rank of the node runs this, started by the torchrun line `ddpflow launch` builds
-(`ddpflow launch --dry-run` prints it); on CPU, gloo ranks. Rank 0 alone writes
-files and shows the progress bar. `Trainer.run` reads top to bottom: setup (data, model,
-optimizer, resume), then epochs of `train_step`s with `log_interval`s, `validate` and
-`checkpoint` at epoch ends (as often as asked; saver.py writes in the background), then
-`finish`. `clock` (wallclock.py) gives every second to a phase. What a user replaces comes in
-through seams: the model builder (models.py), the data (data/pipeline.py) and the task
-(tasks.py). `TrainState` (state.py) is exactly what a checkpoint holds besides the tensors'
-states. The collaborators (validation.py, saver.py, stagelog.py, earlystop.py, layout.py) get
-what they need as arguments (state.py's StageFiles and StageSetup are frozen) and return what
-they change; only this file changes the trainer.
+Every rank runs this, started by the torchrun line `ddpflow launch` builds (`--dry-run`
+prints it); on CPU, gloo ranks. Rank 0 alone writes files and shows the progress bar.
+`Trainer.run` reads top to bottom: setup (checkpoint choice, data, model, optimizer, resume),
+then epochs of `train_step`s with `log_interval`s, `validate` and `checkpoint` at epoch ends
+(saver.py writes in the background), then `finish`. `clock` (wallclock.py) gives every second
+to a phase. What a user replaces comes in through seams: the model builder (models.py), the
+data (data/pipeline.py) and the task (tasks.py). `TrainState` (state.py) is exactly what a
+checkpoint holds besides the tensors' states. The collaborators (build.py, resume.py,
+validation.py, saver.py, stagelog.py, earlystop.py) get what they need as arguments and
+return what they change; only this file changes the trainer.
 """
-
 from __future__ import annotations
 
 import os
@@ -26,26 +24,26 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ddpflow.config import Config, config_hash
+from ddpflow.config import Config
 from ddpflow.core import lazydynamo
 from ddpflow.core.errors import nondeterministic
 from ddpflow.data import prepared
 from ddpflow.data.pipeline import close_workers
-from ddpflow.engine import checkpoint, distributed, earlystop, runtime, stagelog, stopflag
+from ddpflow.engine import checkpoint, distributed, earlystop, resume, stagelog, stopflag
 from ddpflow.engine.build import data_parts, model_parts, optimizer_parts, stage_setup
 from ddpflow.engine.efficiency import FlopCount, GpuSampler, replica_flops, replicas
-from ddpflow.engine.runtime import (
-    StopPoll,
-    trace_file,
-)
-from ddpflow.engine.saver import Saver, checkpoint_state, restore
+from ddpflow.engine.rankmemory import activation_meter, memory_record
+from ddpflow.engine.resume import stage_files
+from ddpflow.engine.runtime import StopPoll, trace_file
+from ddpflow.engine.saver import Saver, final_weights
+from ddpflow.engine.sharding import check_precision
 from ddpflow.engine.stagelog import interval_record, progress_line
-from ddpflow.engine.state import StageEnd, StageFiles, TrainState
+from ddpflow.engine.state import StageEnd, TrainState
 from ddpflow.engine.step import StepCounters, divergence, micro_step, update
 from ddpflow.engine.tune import stage_settings
 from ddpflow.engine.validation import Validator, best_after
 from ddpflow.results.metrics import MetricsLog
-from ddpflow.results.provenance import make_record
+from ddpflow.results.provenance import init_source
 from ddpflow.results.wallclock import WallClock, process_start
 from ddpflow.seams.models import count_text, param_count, unwrap
 from ddpflow.seams.userimport import add_code_dirs
@@ -77,60 +75,67 @@ class Trainer:
         cfg, st = self.cfg, self.st
         if not (st.compile or cfg.tune.compile):  # tune.json may turn compile on
             lazydynamo.defer()  # seconds of start-up that only torch.compile needs
-        self.d = d = distributed.setup(cfg.hardware, process_group=st.strategy == "ddp")
+        self.d = d = distributed.setup(cfg.hardware, process_group={
+            "ddp": True, "fsdp": "always", "dp": False}[st.strategy])
         self.clock.mark("process_group")
         distributed.seed_everything(cfg.seed, d.rank, cfg.deterministic)
         add_code_dirs(cfg)
         stopflag.install()  # (again: `ddpflow train` installs it before its imports)
         # batch size, precision and layout: the config's, or tune.json's for "auto"
         self.settings = stage_settings(cfg, st, d.device, self.say)
-        self.batch_size, self.tuned = self.settings.batch_size, self.settings.tuned
-        self.precision, self.compile = self.settings.precision, self.settings.compile
+        self.tuned, self.precision = self.settings.tuned, self.settings.precision
+        self.compile, self.sharded = self.settings.compile, st.strategy == "fsdp"
+        check_precision(st.strategy, self.precision, cfg.stage_index(st.name))
         self.meta = prepared.read_meta(cfg.data_dir) or prepared.load(cfg.data_dir)[0]
+        # the checkpoint to resume, before the data: on other ranks it keeps its global batch
+        self.files = stage_files(cfg, st.name, self.meta, init_source(cfg, st.name))
+        self.chosen = resume.choose(self.files, d) if cfg.checkpoint.resume == "auto" else None
+        self.batch_size, self.accum, changed = resume.layout(
+            self.chosen, self.settings.batch_size, st.grad_accum_steps, d.world,
+            f"stages.{cfg.stage_index(st.name)}")
+        if changed:
+            self.say(changed)
         self.data, self.steps_per_epoch, self.total_steps = data_parts(
-            cfg, st, d, self.meta, self.settings, trace_file(d.rank), self.say)
+            cfg, st, d, self.meta, self.settings, self.batch_size, self.accum,
+            trace_file(d.rank), self.say)
         self.clock.mark("data")
-        self.accum = st.grad_accum_steps
         self.global_batch = self.batch_size * d.world * self.accum
         parts = model_parts(cfg, st, d, self.data, self.batch_size, self.precision,
                             self.compile, self.settings.channels_last, self.say)
         self.model, self.train_model, self.ema = parts.model, parts.train_model, parts.ema
         self.task, self.monitor, self.mode = parts.task, parts.monitor, parts.mode
+        self.checkpointed = parts.checkpointed  # blocks recomputed in the backward
         self.lr, self.opt, self.sched, self.scaler, self.autocast = optimizer_parts(
             self.model, st, self.global_batch, self.steps_per_epoch, self.total_steps,
             self.precision, d.device)
         self.fixed = stage_setup(parts, d, st, self.data, self.settings, self.accum,
                                  self.global_batch, self.lr)
         self.validator = Validator(d, self.task, cfg.task.name, self.autocast, self.batch_size,
-                                   self.say)
+                                   self.say, self.sharded)
         self.stop_rule = earlystop.stop_rule(st.stop, f"stages.{cfg.stage_index(st.name)}",
                                              self.task, cfg.task.name, self.monitor, self.mode)
         self.clock.mark("model")
-        self.resume(parts.init_src)
+        self.resume()
         self.clock.mark("resume")
 
-    def resume(self, init_src) -> None:
-        """Continue from the newest valid checkpoint of these very inputs (its record)."""
+    def resume(self) -> None:
+        """Continue from the checkpoint `setup` chose (resume.py), if any."""
         cfg, d = self.cfg, self.d
-        record = make_record(cfg, self.st.name, self.meta["fingerprint"],
-                             checkpoint.sha256_of(init_src) if init_src else None)
-        self.files = StageFiles(self.st.name, self.out, cfg.to_dict(), cfg.hash,
-                                cfg.stage_hash(self.st.name), record, config_hash(record),
-                                self.monitor, self.mode)
-        self.saver = Saver(self.files, cfg.checkpoint.keep_last, cfg.checkpoint.background)
-        found = (restore(self.files, d, unwrap(self.model), self.opt, self.sched, self.scaler,
-                         self.ema) if cfg.checkpoint.resume == "auto" else None)
-        if found:
-            path, saved = found
+        self.files = replace(self.files, monitor=self.monitor, mode=self.mode)
+        self.saver = Saver(self.files, cfg.checkpoint.keep_last, cfg.checkpoint.background,
+                           d, self.sharded)
+        found = self.chosen
+        saved = resume.restore(found, self.files, d, unwrap(self.model), self.opt, self.sched,
+                               self.scaler, self.ema, self.sharded, self.accum)
+        if saved:
             self.state = TrainState.from_checkpoint(saved)
-            self.say(f"resumed from {path.name}: step {self.state.step}, "
+            self.say(f"resumed from {found.path.name}: step {self.state.step}, "
                      f"epoch {self.state.epoch}")
         distributed.gather_objects(d, None)  # barrier: every rank has read its checkpoint
         if d.is_master:
             (self.out / "failed.json").unlink(missing_ok=True)
             checkpoint.remove_partial(self.files.ckpt_dir)  # temp files of a killed write
-            if not found:
-                # never mix with a stale run's checkpoints
+            if not found:  # never mix with a stale run's checkpoints
                 checkpoint.set_aside(self.files.ckpt_dir)
         self.trackers = (open_trackers(self.cfg, self.st.name, self.state.step,
                                        self.files.resume_key) if d.is_master else None)
@@ -183,6 +188,7 @@ class Trainer:
         self.in_epoch = s.step_in_epoch // self.accum
         self.first_interval = True
         self.flops_per_micro = None  # FLOPs of one micro-batch, forward + backward, once
+        self.activations = None  # what one micro-batch keeps for the backward (rankmemory)
         self.gpu = GpuSampler(list(self.fixed.devices)) if d.is_master else None
         self.stop_poll = StopPoll(self.cfg.stop_check_s, s.step)
         self.prof = open_profiler(self.cfg, self.st.name, d.rank, d.device, self.out)
@@ -231,8 +237,11 @@ class Trainer:
             self.clock.lap("train")
             batch = next(it)
             self.interval[1] += self.clock.lap("data_wait")  # host time blocked on the batch
+            # DDP all-reduces on the last micro-batch only; FSDP reduce-scatters every one
+            # (it has no no_sync): its gradients stay sharded, its memory low
             last = micro == self.accum - 1 or not hasattr(model, "no_sync")
             counting = self.flops_per_micro is None
+            metering = not counting and self.activations is None  # the next micro-batch
             n_replicas = replicas(model) if counting else 1
             if n_replicas > 1:  # DataParallel's threads: counted apart
                 self.flops_per_micro = replica_flops(unwrap(model), batch, self.batch_size,
@@ -241,10 +250,13 @@ class Trainer:
             # the counted micro-batch runs on the uncompiled model: Dynamo does not compile a
             # frame while a dispatch mode (the FLOP counter) is active
             net = model if counting else self.train_model
-            with counter, nullcontext() if last else model.no_sync():
+            with counter, nullcontext() if last else model.no_sync(), (
+                    activation_meter(self.checkpointed) if metering else nullcontext({})) as m:
                 loss = self.micro(net, batch, check=counting)
             if self.flops_per_micro is None:
                 self.flops_per_micro = counter.total
+            if metering:
+                self.activations = m
             self.counters.add_loss(loss, batch[0])  # NaN/inf inputs are told apart (step.py)
         update(model, self.opt, self.sched, self.scaler, self.st.grad_clip, self.counters)
         s.step += 1
@@ -276,7 +288,7 @@ class Trainer:
             d, [dt / n, wait / dt, first_bad, 1.0 if stopflag.received() else 0.0, bad_input])
         bad_steps = [(int(r[2]), int(r[4])) for r in per_rank if r[2] >= 0]
         if bad_steps:  # every rank sees it and stops; the last checkpoint stays
-            self.diverged = self.divergence(bad_steps, loss_value)
+            self.diverged = divergence(self.cfg, self.st.name, bad_steps, loss_value, s.epoch)
             self.halted = True
             return False
         if d.is_master:
@@ -296,9 +308,6 @@ class Trainer:
         self.stop_poll.seen(s.step, max(r[0] for r in per_rank))
         return any(r[3] > 0 for r in per_rank)
 
-    def divergence(self, bad: list[tuple[int, int]], loss_value: float | str = "NaN/inf") -> str:
-        return divergence(self.cfg, self.st.name, bad, loss_value, self.state.epoch)  # step.py
-
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """The task's metrics over the validation split (validation.py); the monitored one
@@ -310,25 +319,14 @@ class Trainer:
         best = best_after(metrics, self.state, self.monitor, self.mode, self.cfg.task.name)
         if best:
             self.state.best, self.best_due = best, True  # best.pt: with the next save
-        self.early_stop(metrics)
+        s.stop = earlystop.after_validation(self.stop_rule, s, metrics, self.t_start,
+                                            self.clock.t0, self.say)
         if d.is_master:
             self.log.write({"kind": "val", "step": s.step, "epoch": s.epoch, **metrics,
                             "time_s": s.elapsed_s + time.perf_counter() - self.t_start})
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             self.say(f"epoch {s.epoch}: {shown}")
         self.clock.lap("validation")
-
-    def early_stop(self, metrics: dict) -> None:
-        """Early stopping's record after a validation: the same decision on every rank (all
-        see the same all-reduced metrics), no collective."""
-        s = self.state
-        now = time.perf_counter()
-        at = {"step": s.step, "epoch": s.epoch + 1,
-              "train_time_s": s.elapsed_s + now - self.t_start,
-              "wall_time_s": time.time() - self.clock.t0 + sum(s.wall_s.values())}
-        s.stop = earlystop.check(self.stop_rule, s.stop, metrics, at)
-        if "stopped" in s.stop:
-            self.say(f"stopping early at step {s.step}: {s.stop['stopped']['reason']}")
 
     # ------------------------------------------------------------------ checkpoint, finish
     def checkpoint(self, ckpt: bool = True) -> bool:
@@ -341,13 +339,12 @@ class Trainer:
             d, (distributed.rng_state(d.device), self.counters.bad_steps()))
         bad_steps = [g[1] for g in gathered if g[1][0] >= 0]
         if bad_steps:  # never save weights that a NaN/inf loss has already touched
-            self.diverged = self.divergence(bad_steps)
+            self.diverged = divergence(self.cfg, self.st.name, bad_steps, "NaN/inf", s.epoch)
             return False
-        if d.is_master:  # the host copy blocks; the files are written in the background
-            state = (checkpoint_state(self.now(), self.files, self.opt, self.sched, self.scaler,
-                                      [g[0] for g in gathered]) if ckpt else None)
-            self.saver.save(unwrap(self.model).state_dict(), self.ema, state,
-                            dict(s.best) if self.best_due else None)
+        # the host copy blocks; the files are written in the background (saver.py)
+        self.saver.save_stage(d, unwrap(self.model), self.opt, self.sched, self.scaler,
+                              self.ema, self.now() if ckpt else None, [g[0] for g in gathered],
+                              dict(s.best) if self.best_due else None)
         self.best_due = False
         self.clock.lap("checkpoint")
         return True
@@ -359,7 +356,8 @@ class Trainer:
                        elapsed_s=s.elapsed_s + time.perf_counter() - self.t_start,
                        loss_sum=float(self.counters.loss_sum.item()),
                        skipped_steps=int(self.counters.skipped.item()),
-                       wall_s=self.clock.total(s.wall_s), runs=s.runs + 1)
+                       wall_s=self.clock.total(s.wall_s), runs=s.runs + 1, world=self.d.world,
+                       accum=self.accum, batch_size=self.batch_size)
 
     def finish(self) -> None:
         """failed.json, or final.pt and summary.json (only for a finished stage)."""
@@ -368,18 +366,20 @@ class Trainer:
             self.test_metrics = self.validator.test_metrics(  # all ranks: sync points
                 unwrap(self.model), self.ema, self.data.test)
             self.say("test: " + ", ".join(f"{k} {v:.4f}" for k, v in self.test_metrics.items()))
-        # every rank's weights, hashed and gathered (with its host): DDP must have kept
-        # them identical, on one node or several
-        pairs = distributed.gather_objects(self.d, (runtime.weights_sha256(
-            unwrap(self.model)), socket.gethostname()))
+        # every rank's weights hashed (DDP must have kept them identical, on one node or
+        # several; FSDP's, gathered whole once), with its host and memory
+        weights, own_hash = final_weights(unwrap(self.model), self.d, self.sharded)
+        pairs = distributed.gather_objects(self.d, (own_hash, socket.gethostname(), memory_record(
+            unwrap(self.model), self.opt, self.activations, self.d.device)))
         if not self.d.is_master:
             return
         end = StageEnd(
             diverged=self.diverged, halted=self.halted, test_metrics=self.test_metrics,
-            weight_hashes=[h for h, _ in pairs], rank_hosts=[host for _, host in pairs],
+            weight_hashes=[p[0] for p in pairs if p[0]], rank_hosts=[p[1] for p in pairs],
             train_t0=self.t_start - self.state.elapsed_s,
             flops_per_micro=self.flops_per_micro, skipped=int(self.counters.skipped.item()),
-            model=unwrap(self.model).state_dict(), ema=self.ema.weights() if self.ema else None)
+            model=weights, ema=self.ema.weights() if self.ema else None,
+            memory=[p[2] for p in pairs])
         # failed.json, or final.pt and summary.json; the trackers closed
         stagelog.write_results(self.files, self.fixed, self.state, end, self.clock, self.log,
                                self.saver, self.trackers, self.say)

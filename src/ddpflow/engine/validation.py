@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ddpflow.core.errors import UserError
 from ddpflow.engine import distributed
 from ddpflow.seams.models import forward
 from ddpflow.seams.tasks import improves, metric_pairs
@@ -28,9 +29,15 @@ class Validator:
     per rank (`batch`), which starts at VAL_BATCH_FACTOR x the training batch and is halved
     for good after a GPU OOM, never below the training batch."""
 
-    def __init__(self, d, task, task_name: str, autocast, train_batch: int, say):
+    def __init__(self, d, task, task_name: str, autocast, train_batch: int, say,
+                 lockstep: bool = False):
         self.d, self.task, self.task_name, self.autocast = d, task, task_name, autocast
         self.train_batch, self.batch, self.say = train_batch, VAL_BATCH_FACTOR * train_batch, say
+        # FSDP: every forward gathers parameters, a collective all ranks join: they step
+        # through a split together, at the training batch (it fits: no retry)
+        self.lockstep = lockstep
+        if lockstep:
+            self.batch = train_batch
 
     def stage_metrics(self, model, ema, split) -> dict[str, float]:
         """The metrics of the weights the stage hands on, as val_<metric> (the EMA's when
@@ -71,13 +78,32 @@ class Validator:
         sums = MetricSums(self.task, self.task_name, self.d.device)
         try:
             with torch.no_grad(), self.autocast:
-                for batch in split(self.batch):
+                batches = split(self.batch)
+                for batch in self._together(batches, net) if self.lockstep else batches:
                     sums.add(forward(net, batch[0]), batch)
         except torch.cuda.OutOfMemoryError:
             if self.batch <= self.train_batch:
                 raise
             return None
         return sums
+
+    def _together(self, batches, net):
+        """This rank's batches while any rank has one left (a small collective per batch);
+        a rank whose own ran out runs its last one again, uncounted, to join the gathers."""
+        last = None
+        it = iter(batches)
+        while True:
+            batch = next(it, None)
+            if not distributed.all_min(self.d, int(batch is not None), "MAX"):
+                return
+            if batch is not None:
+                last = batch
+                yield batch
+            elif last is not None:
+                forward(net, last[0])
+            else:
+                raise UserError(f"rank {self.d.rank} has no validation sample: the split has "
+                                f"fewer samples than the {self.d.world} ranks; make it larger")
 
 
 class MetricSums:

@@ -1,0 +1,108 @@
+"""Sharded checkpoints of a `strategy: fsdp` stage, with torch.distributed.checkpoint (DCP).
+
+A checkpoint is a folder `ckpt-<step>.dcp/`: every rank writes its own shards of the model
+and optimizer (`__<rank>_0.distcp`, DCP's `.metadata`), rank 0 adds `state.pt` (TrainState,
+scheduler, scaler, every rank's RNG, what the stage was made of: the same keys as a DDP
+checkpoint's, without the tensors). The same rules as checkpoint.py's files:
+    background  DCP stages the shards to host memory (training waits for that copy only) and
+                writes them in a thread, over a gloo process group of its own (the training
+                loop's collectives never meet the writer's)
+    atomic      written into `.ckpt-<step>.dcp.tmp/`, renamed into place once every rank's
+                shards and the metadata are there
+    checksummed `ckpt-<step>.dcp.sha256` lists every file's SHA-256, written last: a folder
+                without it, or with a file that does not match, is skipped on resume
+DCP reads the shards back on any number of ranks (resharding them): a requeue onto fewer GPUs
+resumes. best.pt and final.pt hold the whole model, gathered once on rank 0 (`full_model`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ddpflow.core.checksum import sha256_of
+from ddpflow.engine import checkpoint
+
+
+def state_dicts(model, opt) -> dict:
+    """The model's and optimizer's sharded state dicts (DTensors, keyed by parameter name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, opt_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optimizer": opt_sd}
+
+
+def full_model(model, d) -> dict | None:
+    """The whole model's state dict on rank 0 (host memory), None elsewhere. A collective:
+    every rank gathers each parameter's shards once."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                              cpu_offload=True))
+    return sd if d.is_master else None
+
+
+class ShardedWriter:
+    """One sharded checkpoint in flight at a time, every rank taking part."""
+
+    def __init__(self, d, folder: Path, keep_last: int, background: bool):
+        self.d, self.folder, self.keep_last = d, Path(folder), keep_last
+        # the writer's own collectives (DCP's plan and metadata gathers) run in its thread
+        self.group = dist.new_group(backend="gloo") if d.backend else None
+        self.writer = checkpoint.BackgroundWriter(background)
+
+    def save(self, step: int, model, opt, state: dict | None) -> None:
+        """All ranks: their shards of `model` and `opt` at this step; rank 0 also `state`
+        (checkpoint_state without the optimizer)."""
+        import torch.distributed.checkpoint as dcp
+
+        from ddpflow.engine import distributed
+
+        self.writer.wait()  # the previous checkpoint is complete (and its error raised)
+        final = self.folder / f"ckpt-{step:09d}.dcp"
+        tmp = self.folder / f".{final.name}.tmp"
+        if self.d.is_master:
+            checkpoint.empty_folder(tmp)  # (a killed write of this very step: gone)
+        distributed.gather_objects(self.d, None)  # barrier: the folder is there, empty
+        # blocks until the shards are copied to host memory; the files come in the thread
+        future = dcp.async_save(state_dicts(model, opt), checkpoint_id=str(tmp),
+                                process_group=self.group)
+        if self.d.is_master:
+            self.writer.submit(self._finish, future, tmp, final, state)
+        else:
+            self.writer.submit(future.result)
+
+    def _finish(self, future, tmp: Path, final: Path, state: dict) -> None:
+        """Rank 0, in the thread: once DCP's metadata is written (every rank's shards are),
+        state.pt, the rename and the checksums; then keep-last."""
+        future.result()
+        checkpoint.write_atomic(tmp / checkpoint.STATE, _bytes(state))
+        sums = "".join(f"{sha256_of(f)}  {f.relative_to(tmp)}\n"
+                       for f in sorted(tmp.rglob("*")) if f.is_file())
+        checkpoint.place_folder(tmp, final)
+        checkpoint.write_atomic(Path(str(final) + ".sha256"), sums.encode())
+        checkpoint.prune(self.folder, self.keep_last)
+
+    def wait(self) -> None:
+        self.writer.wait()
+
+
+def _bytes(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def load_shards(path: Path, model, opt) -> None:
+    """Every rank: its shards of the model and optimizer from `path`, resharded by DCP for
+    this many ranks (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    sd = state_dicts(model, opt)  # the targets: this rank's shards, optimizer state created
+    dcp.load(sd, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])

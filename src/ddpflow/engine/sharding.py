@@ -1,0 +1,222 @@
+"""A model's blocks, and what is done to them: FSDP2 sharding (`strategy: fsdp`) and
+activation checkpointing (`activation_checkpointing`), for DDP and FSDP alike.
+
+The blocks are the model's repeated children: `model.shard_blocks` names their classes, else
+they are found (the class whose groups of two or more same-class siblings hold the most
+parameters; plain containers only when nothing else repeats, single layers last). FSDP then
+shards each block apart and the root last (TorchTitan's order: activation checkpointing
+first, then `fully_shard` per block, then the root), so a rank holds 1/world of every
+parameter, gradient and optimizer state, and gathers one block's parameters at a time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ddpflow.core.errors import UserError
+from ddpflow.seams.models import count_text
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def repeated(model: nn.Module) -> dict[type, list[nn.Module]]:
+    """Module class -> its instances that have a sibling of the same class (and parameters):
+    a model's repeated children."""
+    found: dict[type, list[nn.Module]] = defaultdict(list)
+    for parent in model.modules():
+        groups: dict[type, list[nn.Module]] = defaultdict(list)
+        for child in parent.children():
+            if _params(child):
+                groups[type(child)].append(child)
+        for cls, members in groups.items():
+            if len(members) > 1:
+                found[cls].extend(members)
+    return found
+
+
+def _tier(cls: type, members: list[nn.Module]) -> int:
+    """0: a real block (a class with children of its own); 1: a plain container; 2: a layer."""
+    if not any(True for _ in members[0].children()):
+        return 2
+    return 1 if cls in CONTAINERS else 0
+
+
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """Those not inside another of `modules`, in the model's order."""
+    inner = {id(c) for m in modules for c in m.modules() if c is not m}
+    return [m for m in modules if id(m) not in inner]
+
+
+def find_blocks(model: nn.Module, names: tuple[str, ...] | None, model_name: str,
+                setting: str = "model.shard_blocks") -> list[nn.Module]:
+    """The model's blocks: instances of the classes `names` (class names), else found.
+    A name the model has no module of is a UserError listing what it has."""
+    if names:
+        by_name: dict[str, list[nn.Module]] = defaultdict(list)
+        for m in model.modules():
+            if m is not model:
+                by_name[type(m).__name__].append(m)
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise UserError(f"{setting}: '{unknown[0]}' is not the class of any module of "
+                            f"model {model_name}, which has {describe(model)}; name one of "
+                            f"those classes (or null: found in the model)")
+        return _outermost([m for m in model.modules() if m is not model
+                           and type(m).__name__ in names])
+    found = repeated(model)
+    if not found:
+        return []
+    cls = min(found, key=lambda c: (_tier(c, found[c]), -sum(map(_params, found[c]))))
+    return _outermost(found[cls])
+
+
+def describe(model: nn.Module) -> str:
+    """'repeated blocks BasicBlock (8), ...' for a message."""
+    found = repeated(model)
+    if not found:
+        return f"no repeated blocks ({count_text(_params(model))} parameters)"
+    ranked = sorted(found, key=lambda c: (_tier(c, found[c]), -sum(map(_params, found[c]))))
+    return "repeated blocks " + ", ".join(
+        f"{c.__name__} ({len(_outermost(found[c]))})" for c in ranked[:5])
+
+
+# ---------------------------------------------------------------- activation checkpointing
+_CHECKPOINTED: dict[type, type] = {}
+
+
+class Measure:
+    """While `on`, every checkpointed block also measures what it would have kept for the
+    backward without checkpointing (one extra forward of the block, its buffers and RNG
+    put back): the memory activation checkpointing saves, for summary.json."""
+    on = False
+    saved_bytes = 0
+
+
+def _checkpointed_class(cls: type) -> type:
+    """`cls` with its forward run under torch.utils.checkpoint (non-reentrant: works with
+    DDP, FSDP and torch.compile, keeps the RNG so dropout repeats in the recompute). A
+    subclass, so parameter names, state dicts and deepcopies stay as they were."""
+    if cls not in _CHECKPOINTED:
+        def forward(self, *args, **kwargs):
+            if Measure.on:
+                Measure.saved_bytes += _uncheckpointed_bytes(
+                    super(new, self).forward, self, args, kwargs)
+            return checkpoint(super(new, self).forward, *args, use_reentrant=False,
+                              context_fn=lambda: (nullcontext(), _KeptBuffers(self)), **kwargs)
+        new = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
+        _CHECKPOINTED[cls] = new
+    return _CHECKPOINTED[cls]
+
+
+class _KeptBuffers:
+    """The recompute in the backward leaves the block's buffers as the forward left them:
+    BatchNorm's running statistics are updated once per micro-batch, not twice."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __enter__(self):
+        self.saved = [b.clone() for b in self.module.buffers()]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, kept in zip(self.module.buffers(), self.saved):
+                b.copy_(kept)
+
+
+def _uncheckpointed_bytes(fn, module: nn.Module, args, kwargs) -> int:
+    buffers = [b.clone() for b in module.buffers()]
+    counted = SavedBytes()
+    devices = [a.device for a in args if torch.is_tensor(a) and a.device.type == "cuda"]
+    with torch.random.fork_rng(devices=devices), counted, torch.enable_grad():
+        fn(*[a.detach() if torch.is_tensor(a) else a for a in args], **kwargs)
+    for b, saved in zip(module.buffers(), buffers):
+        b.copy_(saved)  # BatchNorm's running statistics as if the measure never ran
+    return counted.bytes
+
+
+def class_name(m: nn.Module) -> str:
+    """The model's own class name of a block (FSDP and checkpointing subclass it)."""
+    return type(m).__name__.removeprefix("FSDP").removeprefix("Checkpointed")
+
+
+def checkpoint_blocks(blocks: list[nn.Module]) -> None:
+    for b in blocks:
+        b.__class__ = _checkpointed_class(type(b))
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes autograd keeps for the backward while active (each storage once)."""
+
+    def __init__(self):
+        self.bytes, self.seen = 0, set()
+
+        def pack(t):
+            key = (t.untyped_storage().data_ptr(), t.device)
+            if key not in self.seen and t.untyped_storage().data_ptr():
+                self.seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+            return t
+        super().__init__(pack, lambda t: t)
+
+
+def block_inputs_bytes(blocks: list[nn.Module]):
+    """Forward pre-hooks that count checkpointed blocks' tensor inputs (what checkpointing
+    keeps of a block), and their handles' remover."""
+    total = [0]
+
+    def hook(_m, args):
+        total[0] += sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
+    handles = [b.register_forward_pre_hook(hook) for b in blocks]
+    return total, lambda: [h.remove() for h in handles]
+
+
+# ---------------------------------------------------------------- FSDP
+def fsdp_policy(model: nn.Module, precision: str):
+    """FSDP's mixed precision: fp32 master weights and gradient reduction; parameters
+    gathered in the stage's bf16 for compute, except in a model with BatchNorm (its fp32
+    running statistics need fp32 weights): there autocast alone lowers each op's precision.
+    Returns (policy, what it does, for the log)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if amp is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                               for m in model.modules()):
+        return (MixedPrecisionPolicy(reduce_dtype=torch.float32),
+                f"fp32 parameters gathered (BatchNorm), {precision} autocast")
+    return (MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32),
+            f"{precision} parameters gathered, fp32 gradient reduction and master weights")
+
+
+def shard(model: nn.Module, blocks: list[nn.Module], precision: str,
+          reshard_after_forward: bool) -> str:
+    """FSDP2 on each block, then on the root (in place: `model` becomes an FSDPModule).
+    Returns how, for the log."""
+    from torch.distributed.fsdp import fully_shard
+
+    policy, how = fsdp_policy(model, precision)
+    names = sorted({class_name(b) for b in blocks})
+    for b in blocks:
+        fully_shard(b, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # the root's parameters (stem, head) are needed first in the backward: kept gathered
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    return f"{len(blocks)} {'/'.join(names)} blocks + root sharded, {how}"
+
+
+def check_precision(strategy: str, precision: str, index: int) -> None:
+    """fp16 needs a GradScaler whose skipped steps every rank agrees on; FSDP's gradients
+    are sharded, so each rank would see only its shards' overflows: not offered."""
+    if strategy == "fsdp" and precision == "fp16":
+        raise UserError(f"stages.{index}.precision: fp16 (what precision auto picks on a GPU "
+                        f"without native bf16) does not go with strategy fsdp: the "
+                        f"GradScaler would skip steps on some ranks only; set precision: bf16 "
+                        f"or fp32, or strategy: ddp")
