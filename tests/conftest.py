@@ -77,7 +77,8 @@ LONGEST_FIRST = ("test_workflow.py",  # ~480
                  "test_slurm.py",  # ~420
                  "test_faults.py",  # ~300
                  "test_trust.py", "test_mlflow.py", "test_engine.py", "test_evaluate.py",
-                 "test_container.py", "test_sweep.py", "test_tune.py")  # 100-170 each
+                 "test_container.py", "test_sweep.py", "test_tune.py",
+                 "test_fsdp.py")  # 100-170 each
 
 
 def pytest_collection_modifyitems(items):

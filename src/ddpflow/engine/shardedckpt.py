@@ -66,6 +66,9 @@ class ShardedWriter:
         if self.d.is_master:
             checkpoint.empty_folder(tmp)  # (a killed write of this very step: gone)
         distributed.gather_objects(self.d, None)  # barrier: the folder is there, empty
+        # buffers (BatchNorm's statistics) are not sharded and DCP saves one rank's copy:
+        # rank 0's, as a DDP checkpoint and validation take them
+        distributed.broadcast_buffers(self.d, model)
         # blocks until the shards are copied to host memory; the files come in the thread
         future = dcp.async_save(state_dicts(model, opt), checkpoint_id=str(tmp),
                                 process_group=self.group)

@@ -372,7 +372,7 @@ class Trainer:
         pairs = distributed.gather_objects(self.d, (own_hash, socket.gethostname(), memory_record(
             unwrap(self.model), self.opt, self.activations, self.d.device)))
         if not self.d.is_master:
-            return
+            return self.saver.wait()  # its shards (FSDP) are written before the rank leaves
         end = StageEnd(
             diverged=self.diverged, halted=self.halted, test_metrics=self.test_metrics,
             weight_hashes=[p[0] for p in pairs if p[0]], rank_hosts=[p[1] for p in pairs],

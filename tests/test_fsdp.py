@@ -1,0 +1,336 @@
+"""Beyond one rank's memory and back onto fewer ranks: strategy fsdp (FSDP2 with 2 gloo ranks
+on CPU), activation checkpointing, sharded checkpoints, and a checkpoint of N ranks resumed on
+M with the same global batch (DDP and FSDP)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from conftest import ddpflow, tiny_config, write_config
+from fixtures import image_tree
+
+FSDP_STAGE = {"name": "s1", "epochs": 2, "batch_size": 32, "lr": 0.05, "strategy": "fsdp",
+              "activation_checkpointing": True}
+
+
+def stage_dir(root: Path) -> Path:
+    return root / "results" / "t" / "stages" / "s1"
+
+
+def final(root: Path) -> dict:
+    return torch.load(stage_dir(root) / "final.pt", weights_only=True)["model"]
+
+
+def summary(root: Path) -> dict:
+    return json.loads((stage_dir(root) / "summary.json").read_text())
+
+
+def seen(trace: Path) -> dict[int, list[int]]:
+    """Epoch -> every sample index trained on, all ranks and runs (DDPFLOW_SAMPLE_TRACE)."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for f in trace.glob("rank*.txt"):
+        for line in f.read_text().splitlines():
+            epoch, _step, *idx = line.split()
+            out[int(epoch)] += map(int, idx)
+    return dict(out)
+
+
+def run(root: Path, *extra, ranks: int | None = None, trace: Path | None = None):
+    """`ddpflow launch` of stage s1 in `root` (its config set to `ranks` ranks first)."""
+    path = root / "config.yaml"
+    if ranks is not None:
+        cfg = yaml.safe_load(path.read_text())
+        cfg["hardware"]["nproc_per_node"] = ranks
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    env = {"DDPFLOW_SAMPLE_TRACE": str(trace)} if trace else None
+    if trace:
+        trace.mkdir(exist_ok=True)
+    return ddpflow("launch", "--config", path, "--stage", "s1", *extra, env=env)
+
+
+def setup_run(root: Path, stage: dict, ranks: int = 2, **top) -> Path:
+    root.mkdir(parents=True)
+    cfg = tiny_config(root, stages=[stage], **top)
+    cfg["hardware"]["nproc_per_node"] = ranks
+    p = write_config(root, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    return p
+
+
+def same_weights(a: dict, b: dict, exact: bool) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        elif "running" not in k and "num_batches" not in k:
+            # another number of ranks sums the gradients in another order; BatchNorm's
+            # running statistics are rank 0's, which trains other micro-batches then
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An FSDP stage with activation checkpointing, uninterrupted on 2 ranks."""
+    root = tmp_path_factory.mktemp("fsdp") / "straight"
+    setup_run(root, FSDP_STAGE)
+    proc = run(root, trace=root / "trace")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, proc.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_with_activation_checkpointing_trains_and_reports_its_memory(straight):
+    root, err = straight
+    assert "fsdp: 3 Sequential blocks + root sharded" in err
+    assert "activation checkpointing: 3 Sequential blocks recomputed" in err
+    s = summary(root)
+    assert s["strategy"] == "fsdp" and s["wrapper"] == "FSDP" and s["checkpointed_blocks"] == 3
+    assert s["final_val_acc"] > 0.3  # it learns (10 classes)
+    mem = s["memory_per_rank"]
+    assert len(mem) == 2 and all(m["peak_mib"] > 0 for m in mem)
+    # each rank holds half of the 94.8 k parameters (fp32), their gradients and momentum
+    whole = s["params"] * 4 / 2**20
+    for m in mem:
+        assert m["params_mib"] == pytest.approx(whole / 2, rel=0.05)
+        assert m["grads_mib"] == m["params_mib"] == m["optimizer_mib"]  # SGD: one buffer
+        # checkpointing keeps the blocks' inputs instead of everything they saved
+        assert 0 < m["activations_mib"] < 0.7 * m["activations_without_checkpointing_mib"]
+    # sharded checkpoints: folders, every file listed in the checksum file written last
+    ckpts = sorted(p.name for p in (stage_dir(root) / "checkpoints").iterdir())
+    assert ckpts[-2:] == ["ckpt-000000032.dcp", "ckpt-000000032.dcp.sha256"]
+    listed = (stage_dir(root) / "checkpoints/ckpt-000000032.dcp.sha256").read_text()
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"):
+        assert f"  {name}\n" in listed
+    # final.pt holds the whole model, gathered once
+    full = final(root)
+    assert full["features.0.0.weight"].shape == (32, 3, 3, 3) and not any(
+        hasattr(t, "placements") for t in full.values())
+    assert len(s["rank_weight_sha256"]) == 1 and s["weights_in_sync"]
+
+
+@pytest.mark.slow
+def test_fsdp_halted_resumes_on_the_same_fewer_and_more_ranks(straight, tmp_path):
+    """Halted at step 12 of 32 (16 steps an epoch): resumed on 2 ranks it is the
+    uninterrupted run bit for bit; on 1 rank (2 accumulation steps, the same global batch
+    of 64) it trains every epoch on the same samples, none twice, to the same weights. A
+    1-rank run with 2 accumulation steps, halted, resumes on 2 ranks the same way."""
+    ref, _ = straight
+    want = seen(ref / "trace")
+    halted = tmp_path / "two"
+    setup_run(halted, FSDP_STAGE)
+    proc = run(halted, "--halt-after-steps", "12", trace=halted / "trace")
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    fewer = tmp_path / "one"
+    shutil.copytree(halted, fewer)  # the same checkpoint, requeued onto 1 rank
+    cfg = yaml.safe_load((fewer / "config.yaml").read_text())
+    cfg["results_dir"] = str(fewer / "results")
+    (fewer / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    proc = run(halted, trace=halted / "trace")
+    assert proc.returncode == 0 and "resumed from ckpt-000000012.dcp" in proc.stderr
+    same_weights(final(ref), final(halted), exact=True)
+
+    proc = run(fewer, ranks=1, trace=fewer / "trace")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("on 1 rank(s) it stays 64: 32/rank x 1 x 2 accumulation" in proc.stderr
+            and "resumed from ckpt-000000012.dcp" in proc.stderr)
+    got = seen(fewer / "trace")
+    for epoch in (0, 1):
+        assert len(got[epoch]) == len(set(got[epoch])) == 1024  # none lost, none twice
+        assert sorted(got[epoch]) == sorted(want[epoch])
+    same_weights(final(ref), final(fewer), exact=False)
+    assert summary(fewer)["world_size"] == 1 and summary(fewer)["grad_accum_steps"] == 2
+    assert summary(fewer)["global_batch"] == 64
+
+    more = tmp_path / "more"
+    setup_run(more, {**FSDP_STAGE, "grad_accum_steps": 2}, ranks=1)
+    assert run(more, "--halt-after-steps", "12", trace=more / "trace").returncode == 75
+    proc = run(more, ranks=2, trace=more / "trace")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on 2 rank(s) it stays 64: 32/rank x 2 x 1 accumulation" in proc.stderr
+    got = seen(more / "trace")
+    assert all(sorted(got[e]) == sorted(want[e]) for e in (0, 1))
+    same_weights(final(ref), final(more), exact=False)
+
+
+@pytest.mark.slow
+def test_ddp_resumes_on_fewer_ranks_and_says_when_it_cannot(tmp_path):
+    """DDP's checkpoint (the whole state) on another number of ranks: the same samples and
+    weights as the uninterrupted run; a number of ranks that cannot make the global batch
+    is one message, and nothing of the checkpoints is lost."""
+    stage = {"name": "s1", "epochs": 2, "batch_size": 16, "lr": 0.05}
+    ref, halted = tmp_path / "ref", tmp_path / "halted"
+    for root in (ref, halted):
+        setup_run(root, stage, model={"name": "mlp"})
+    assert run(ref, trace=ref / "trace").returncode == 0
+    assert run(halted, "--halt-after-steps", "20", trace=halted / "trace").returncode == 75
+    bad = run(halted, ranks=3)  # a global batch of 32 is not 3 ranks' share
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert ("stages.0: ckpt-000000020.pt (step 20) was trained on 2 rank(s) with a global "
+            "batch of 32 (16/rank x 2 x 1 accumulation), which 3 ranks cannot share evenly"
+            in bad.stderr)
+    assert (stage_dir(halted) / "checkpoints/ckpt-000000020.pt").is_file()
+    proc = run(halted, ranks=1, trace=halted / "trace")
+    assert proc.returncode == 0 and "resumed from ckpt-000000020.pt" in proc.stderr
+    want, got = seen(ref / "trace"), seen(halted / "trace")
+    assert all(sorted(got[e]) == sorted(want[e]) and len(set(got[e])) == len(got[e])
+               for e in (0, 1))
+    same_weights(final(ref), final(halted), exact=False)
+    # DDP holds the whole model on each rank: twice FSDP's share of it
+    m = summary(ref)["memory_per_rank"][0]
+    assert m["params_mib"] == pytest.approx(summary(ref)["params"] * 4 / 2**20, rel=0.01)
+
+
+@pytest.mark.slow
+def test_evaluate_export_and_predict_read_an_fsdp_stage(straight, tmp_path):
+    root, _ = straight
+    cfg = root / "config.yaml"
+    proc = ddpflow("evaluate", "--config", cfg, check=True)
+    m = json.loads((root / "results/t/evaluate/s1/test-final/metrics.json").read_text())
+    assert m["acc"] == pytest.approx(summary(root)["test_acc"]) and m["samples"] == 256
+    ddpflow("export", "--config", cfg, check=True)
+    photos = image_tree(tmp_path / "photos", per_class=2, size=(20, 20))
+    proc = ddpflow("predict", "--bundle", root / "results/t/export", "--out",
+                   tmp_path / "pred.csv", photos)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len((tmp_path / "pred.csv").read_text().splitlines()) == 1 + 6
+
+
+def test_a_shard_blocks_mistake_is_one_message(tmp_path):
+    from ddpflow.config import from_dict
+    from ddpflow.core.errors import UserError
+    from ddpflow.engine.build import model_blocks
+    from ddpflow.seams.models import SmallCNN
+
+    def blocks(model, **over):
+        raw = tiny_config(tmp_path, stages=[{**FSDP_STAGE, **over.pop("stage", {})}])
+        raw["model"] = over
+        cfg = from_dict(raw)
+        return model_blocks(cfg, cfg.stages[0], model)
+
+    with pytest.raises(UserError) as e:
+        blocks(SmallCNN(10), shard_blocks=["Blok"])
+    assert str(e.value) == (
+        "model.shard_blocks: 'Blok' is not the class of any module of model smallcnn, "
+        "which has repeated blocks Sequential (3); name one of "
+        "those classes (or null: found in the model)")
+    with pytest.raises(UserError, match=r"^stages\.0\.strategy fsdp: model smallcnn has no "
+                                        r"repeated blocks \(6 parameters\) to shard"):
+        blocks(nn.Linear(3, 2, bias=False).requires_grad_())
+    with pytest.raises(UserError, match=r"stages\.0\.activation_checkpointing: 'Blok' is not"):
+        blocks(SmallCNN(10), stage={"activation_checkpointing": ["Blok"]})
+    ac, shard = blocks(SmallCNN(10), stage={"activation_checkpointing": ["Conv2d"]})
+    assert [type(b).__name__ for b in ac] == ["Conv2d"] * 3 and len(shard) == 3
+
+
+@pytest.mark.parametrize("name,cls,count", [("resnet18", "BasicBlock", 8),
+                                            ("vit_b_16", "EncoderBlock", 12),
+                                            ("convnext_tiny", "CNBlock", 18),
+                                            ("mlp", "Linear", 2)])
+def test_blocks_are_found_in_models_of_every_kind(name, cls, count):
+    """The repeated blocks (not the stage containers around them, nor single layers)."""
+    from types import SimpleNamespace
+
+    from ddpflow.engine.sharding import find_blocks
+    from ddpflow.seams.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(SimpleNamespace(name=name, kwargs={}, weights=None, code_dir=None),
+                            10, 3)
+    found = find_blocks(model, None, name)
+    assert {type(b).__name__ for b in found} == {cls} and len(found) == count
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"ema": {"decay": 0.9}}, r"stages\.0\.ema: an EMA of the weights is not kept under "
+                              r"strategy fsdp"),
+    ({"compile": True}, r"stages\.0\.compile: torch\.compile is not offered with strategy fsdp"),
+    ({"precision": "fp16"}, r"stages\.0\.precision: fp16 does not go with strategy fsdp"),
+    ({"strategy": "ddp", "reshard_after_forward": False},
+     r"stages\.0\.reshard_after_forward: false is a setting of strategy fsdp"),
+    ({"strategy": "dp", "activation_checkpointing": "yes"}, r"activation_checkpointing"),
+])
+def test_what_fsdp_does_not_go_with_is_one_message(tmp_path, over, message):
+    from ddpflow.config import from_dict
+    from ddpflow.core.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        from_dict(tiny_config(tmp_path, stages=[{**FSDP_STAGE, **over}]))
+
+
+def test_a_requeue_keeps_the_global_batch_or_says_why_not():
+    from ddpflow.core.errors import UserError
+    from ddpflow.engine.resume import Chosen, layout
+
+    def on(world, was=(2, 1, 32)):
+        return layout(Chosen(Path("ckpt-000000012.pt"), 12, *was, None), 32, 1, world, "s")
+
+    assert on(2) == (32, 1, None)  # as it was: nothing to say
+    assert on(1)[:2] == (32, 2) and on(4)[:2] == (16, 1) and on(8)[:2] == (8, 1)
+    assert "BatchNorm statistics come from smaller batches" in on(4)[2]
+    assert on(2, was=(1, 4, 8))[:2] == (8, 2)
+    with pytest.raises(UserError, match=r"which 3 ranks cannot share evenly; resume on a "
+                                        r"number of ranks that divides 64"):
+        on(3)
+    assert layout(None, 32, 1, 3, "s") == (32, 1, None)
+
+
+def test_slots_hold_the_same_samples_on_any_number_of_ranks():
+    from ddpflow.data.loaders import EpochSampler
+
+    def steps(world, accum, start=0):
+        """Per optimizer step, its slots' samples in slot order."""
+        per_rank = []
+        for r in range(world):
+            s = EpochSampler(100, world, r, seed=3, batch=4, accum=accum)
+            s.set_epoch(2, start * accum * 4)
+            per_rank.append(list(s))
+        out = []
+        for t in range(len(per_rank[0]) // (4 * accum)):
+            slots = {}
+            for r in range(world):
+                for m in range(accum):
+                    at = (t * accum + m) * 4
+                    slots[m * world + r] = per_rank[r][at:at + 4]
+            out.append([slots[v] for v in sorted(slots)])
+        return out
+
+    whole = steps(2, 2)
+    assert len(whole) == 6  # 100 // (4 x 2 x 2): the last 4 samples sit the epoch out
+    flat = [i for step in whole for slot in step for i in slot]
+    assert len(set(flat)) == len(flat) == 96
+    assert steps(1, 4) == steps(4, 1) == whole  # the same slots, whoever trains them
+    assert steps(4, 1, start=2) == whole[2:]  # resumed after 2 steps: the rest, exactly
+
+
+def test_a_damaged_sharded_checkpoint_is_skipped_and_an_unfinished_one_removed(tmp_path):
+    from ddpflow.core.checksum import sha256_of
+    from ddpflow.engine import checkpoint
+
+    folder = tmp_path / "checkpoints"
+    for step in (4, 8):
+        d = folder / f"ckpt-{step:09d}.dcp"
+        d.mkdir(parents=True)
+        torch.save({"step": step, "resume_key": "k"}, d / "state.pt")
+        (d / "__0_0.distcp").write_bytes(b"shard")
+        sums = "".join(f"{sha256_of(f)}  {f.name}\n" for f in sorted(d.iterdir()))
+        (folder / f"{d.name}.sha256").write_text(sums)
+    (folder / "ckpt-000000008.dcp/__0_0.distcp").write_bytes(b"shorn")
+    (folder / ".ckpt-000000012.dcp.tmp").mkdir()
+    warned = []
+    path, state = checkpoint.latest_valid(folder, "k", warn=lambda *a, **k: warned.append(a))
+    assert path.name == "ckpt-000000004.dcp" and state["step"] == 4
+    assert "checksum mismatch in __0_0.distcp" in warned[0][0]
+    checkpoint.remove_partial(folder)
+    assert not (folder / ".ckpt-000000012.dcp.tmp").exists()
+    checkpoint.prune(folder, 1)
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt-000000008.dcp",
+                                                        "ckpt-000000008.dcp.sha256"]
