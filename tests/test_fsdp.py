@@ -114,6 +114,42 @@ def test_fsdp_with_activation_checkpointing_trains_and_reports_its_memory(straig
     assert full["features.0.0.weight"].shape == (32, 3, 3, 3) and not any(
         hasattr(t, "placements") for t in full.values())
     assert len(s["rank_weight_sha256"]) == 1 and s["weights_in_sync"]
+    # the report shows the largest rank's memory by kind
+    ddpflow("collect", "--config", root / "config.yaml", check=True)
+    html = (root / "results/t/summary/report.html").read_text()
+    row = html.split('<table id="memory">')[1].split("</table>")[0]
+    assert "<td>s1</td><td>fsdp</td><td>2</td>" in row
+    assert f"<td>{max(m['peak_mib'] for m in mem):.1f}</td>" in row
+
+
+@pytest.mark.slow
+def test_tune_measures_an_fsdp_stage_as_it_trains(tmp_path):
+    """tune's trials wrap the model as the stage trains it (checkpointed blocks, FSDP): no
+    channels_last (FSDP2 shards contiguous parameters only), no fp16; its memory phase counts
+    a rank's shard of the weights, gradients and optimizer state."""
+    from types import SimpleNamespace
+
+    from ddpflow.engine.tune import model_extra
+
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    blocks = list(model.children())
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    two = SimpleNamespace(world=2, backend="gloo")
+    assert model_extra(model, blocks, two, "ddp") == whole  # DDP's gradient buckets
+    # a rank holds half of the weights, gradients and momentum, and gathers one block
+    assert model_extra(model, blocks, two, "fsdp") == int(-1.5 * whole + 2 * whole / 8) < 0
+
+    root = tmp_path / "tune"
+    p = setup_run(root, {**FSDP_STAGE, "batch_size": "auto", "precision": "auto",
+                         "channels_last": "auto"},
+                  tune={"max_batch": 64, "steps": 2, "budget_s": 60})
+    proc = ddpflow("tune", "--config", p)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    t = json.loads((root / "results/t/tune.json").read_text())
+    assert t["settings"]["strategy"] == "fsdp" and t["settings"]["activation_checkpointing"]
+    assert {r["precision"] for r in t["precision"]} == {"fp32", "bf16"}
+    assert not any(r["channels_last"] for r in t["precision"]) and not t["choice"][
+        "channels_last"]
 
 
 @pytest.mark.slow

@@ -98,7 +98,8 @@ def _check_strategy(key: str, st: dict) -> None:
                             f"or set strategy: fsdp")
         return
     clash = ("ema" if st["ema"]["decay"] is not None else "compile" if st["compile"]
-             else "precision" if st["precision"] == "fp16" else None)
+             else "precision" if st["precision"] == "fp16" else "channels_last"
+             if st["channels_last"] is True else None)
     if clash == "ema":
         raise UserError(f"{key}.ema: an EMA of the weights is not kept under strategy fsdp "
                         f"(each rank holds a shard of them); set ema.decay: null, or "
@@ -106,6 +107,10 @@ def _check_strategy(key: str, st: dict) -> None:
     if clash == "compile":
         raise UserError(f"{key}.compile: torch.compile is not offered with strategy fsdp "
                         f"yet; set compile: false, or strategy: ddp")
+    if clash == "channels_last":
+        raise UserError(f"{key}.channels_last: true does not go with strategy fsdp (FSDP2 "
+                        f"shards contiguous parameters only); set channels_last: false or "
+                        f"auto (off under fsdp), or strategy: ddp")
     if clash == "precision":
         raise UserError(f"{key}.precision: fp16 does not go with strategy fsdp (the "
                         f"GradScaler would skip steps on some ranks only); set precision: "

@@ -102,7 +102,9 @@ def model_parts(cfg, st, d, data, batch_size: int, precision: str, compile_: boo
     distributed.seed_rank_stream(cfg.seed, d.rank)  # from here on, each rank's own stream
     model.to(d.device)
     # channels_last true/false, or auto (layout.py); the inputs follow the model
-    on, why = layout.for_stage(channels_last, cfg, model, d, batch_size, in_ch, precision)
+    on, why = ((False, "strategy fsdp: FSDP2 shards contiguous parameters only")
+               if st.strategy == "fsdp" else
+               layout.for_stage(channels_last, cfg, model, d, batch_size, in_ch, precision))
     data.use_channels_last(on)
     if on:
         model.to(memory_format=torch.channels_last)

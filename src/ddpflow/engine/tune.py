@@ -39,7 +39,8 @@ from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.loaders import choose_loader
 from ddpflow.data.prepare import settings_fingerprint
-from ddpflow.engine import distributed
+from ddpflow.engine import distributed, sharding
+from ddpflow.engine.build import model_blocks
 from ddpflow.engine.runtime import pick_precision
 from ddpflow.engine.stepmemory import (
     memory_budget,
@@ -63,6 +64,8 @@ def tune_settings(cfg: Config, st: StageCfg) -> dict:
             "hardware": [hw.device, hw.nproc_per_node, hw.devices, hw.threads_per_rank,
                          hw.nodes],
             "optimizer": st.optimizer, "strategy": st.strategy,
+            "activation_checkpointing": (list(st.activation_checkpointing) if isinstance(
+                st.activation_checkpointing, tuple) else st.activation_checkpointing),
             "grad_accum_steps": st.grad_accum_steps}
 
 
@@ -128,7 +131,8 @@ def stage_settings(cfg: Config, st: StageCfg, device, say) -> StageSettings:
     out = StageSettings(batch, st.precision, st.channels_last, st.compile, tuned)
     if st.precision == "auto" and tuned:
         out.precision, out.channels_last = tuned["precision"], tuned["channels_last"]
-        out.compile = out.compile or tuned["compile"]
+        # (strategy fsdp: tune measures it uncompiled, see tunephases.measure)
+        out.compile = out.compile or (tuned["compile"] and st.strategy != "fsdp")
     else:
         out.precision = pick_precision(st.precision, device)
         if st.channels_last == "auto" and tuned:  # measured for this stage's settings
@@ -141,11 +145,24 @@ def stage_settings(cfg: Config, st: StageCfg, device, say) -> StageSettings:
     return out
 
 
+def model_extra(base, blocks: list, d, strategy: str) -> int:
+    """Bytes a rank's step needs beyond the plain model's (weights, gradients, one optimizer
+    state: what stepmemory.step_memory counts). DDP keeps a second copy of the gradients in
+    its buckets; FSDP keeps 1/world of the three, and gathers a block's weights (and its
+    gradients before they are reduce-scattered) at a time."""
+    def size(m) -> int:
+        return sum(q.numel() * q.element_size() for q in m.parameters())
+    if strategy == "fsdp":
+        biggest = max(map(size, blocks)) if blocks else size(base)
+        return int(-3 * size(base) * (1 - 1 / d.world) + 2 * biggest)
+    return size(base) if d.backend else 0
+
+
 def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict | None:
     """One rank's tuning; the result (also in tune.json), or None when stopped."""
     st: StageCfg = cfg.stage(stage_name)
     tc = cfg.tune
-    d = distributed.setup(cfg.hardware)
+    d = distributed.setup(cfg.hardware, "always" if st.strategy == "fsdp" else True)
     distributed.seed_everything(cfg.seed, d.rank, deterministic=False)
     if d.device.type == "cuda":  # fp32 is measured as training runs it: TF32 tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -154,6 +171,8 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     in_ch = input_channels(cfg.model.name, meta["image_shape"][2])
     precision = pick_precision("auto" if st.precision == "auto" else st.precision, d.device)
     base = build_model(cfg.model, meta["num_classes"], in_ch, probe(cfg, meta)).to(d.device)
+    checkpointed, blocks = model_blocks(cfg, st, base)
+    sharding.checkpoint_blocks(checkpointed)  # the memory trials keep what training keeps
     free = memory_budget(d, cap_mb)
     # the device loader only where training would allow it; then the dataset (train and
     # val, as it keeps them) is on the device, and the steps get what is left
@@ -162,8 +181,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
                                         cfg.data.device_memory_fraction, free=free)
     device_ok = bool(all_min(d, int(kind == "device")))
     budget = int((free - (nbytes if device_ok else 0)) * (1 - tc.memory_margin))
-    # DDP keeps a second copy of the gradients in its buckets
-    ddp_extra = sum(q.numel() * q.element_size() for q in base.parameters()) if d.backend else 0
+    ddp_extra = model_extra(base, blocks, d, st.strategy)
     # on a CPU without a cap nothing runs out of memory: throughput ends the climb instead
     pace = Pace(d, tc.budget_s, climb_by_throughput=d.device.type == "cpu" and not cap_mb)
     p = Probe(cfg, st, d, meta, images, labels, in_ch, base, budget, ddp_extra, pace)

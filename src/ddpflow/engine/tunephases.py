@@ -124,6 +124,8 @@ class Probe:
     def layout(self) -> bool:
         """channels_last for the batch and loader phases (auto: as a GPU would train)."""
         cl = self.st.channels_last
+        if self.st.strategy == "fsdp":  # FSDP2 shards contiguous parameters only
+            return False
         return cl if isinstance(cl, bool) else self.d.device.type == "cuda"
 
     def step_bytes(self, b: int, precision: str, channels_last: bool) -> int | None:
@@ -175,8 +177,9 @@ class Probe:
         model = build_model(cfg.model, meta["num_classes"], self.in_ch).to(d.device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        model = distributed.wrap_ddp(model, d)  # as the trainer wraps it
-        run_model = torch.compile(model) if compile_ else model
+        model = wrap_as_trained(model, cfg, self.st, d, prec)
+        run_model = (torch.compile(model) if compile_ and self.st.strategy != "fsdp"
+                     else model)
         opt = build_optimizer(model, self.st, 1e-3, d.device)  # the trainer's optimizer
         norm = Normalize(meta["mean"], meta["std"], d.device, self.in_ch, channels_last)
         tb = TrainBatches(loader, self.images, self.labels, batch, d.device, d.world, d.rank,
@@ -186,6 +189,19 @@ class Probe:
         sps, wait = _throughput(run_model, forever(tb.epoch), cfg.tune.steps, DTYPES[prec],
                                 d.device, opt)
         return {"samples_per_s": sps * d.world, "data_wait_fraction": wait}
+
+
+def wrap_as_trained(model, cfg, st, d, precision: str):
+    """The model as the trainer runs it: its checkpointed blocks, then FSDP or DDP."""
+    from ddpflow.engine import sharding
+    from ddpflow.engine.build import model_blocks
+
+    checkpointed, blocks = model_blocks(cfg, st, model)
+    sharding.checkpoint_blocks(checkpointed)
+    if st.strategy == "fsdp":
+        sharding.shard(model, blocks, precision, st.reshard_after_forward)
+        return model
+    return distributed.wrap_ddp(model, d)
 
 
 def search_batch(p: Probe, precision: str) -> dict:
@@ -277,12 +293,14 @@ def _precisions(p: Probe, batch: int, loader: dict) -> list[dict]:
     checked on the plain model first, and one that does not fit on every rank is recorded
     and never run under DDP (an OOM there kills the rank, and torchrun restarts it into
     the same OOM)."""
-    precisions = ["fp32", "bf16", "fp16"]
+    # fsdp: no fp16 (stagechecks.py) and no channels_last (FSDP2's parameters are contiguous)
+    fsdp = p.st.strategy == "fsdp"
+    precisions = ["fp32", "bf16"] + ([] if fsdp else ["fp16"])
     if p.d.device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         precisions.remove("bf16")
     rows = []
     for prec in precisions:
-        for cl in (False, True):
+        for cl in (False,) if fsdp else (False, True):
             need = p.step_bytes(batch, prec, cl)
             fits = p.fits_everywhere(need)
             for comp in ((False, True) if p.cfg.tune.compile else (False,)):

@@ -40,9 +40,16 @@ COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
            "wall_time_s", "wall_samples_per_s",
            "startup_s", "train_s", "data_wait_s", "validation_s", "checkpoint_s", "teardown_s",
            "mean_samples_per_s", "samples_per_s_per_rank", "data_wait_fraction", "mfu",
-           "peak_mem_mib", "world_size",
+           "peak_mem_mib", "world_size", "strategy",
+           # the largest rank's memory by kind, MiB (summary.json memory_per_rank)
+           "mem_params_mib", "mem_grads_mib", "mem_optimizer_mib", "mem_activations_mib",
+           "mem_activations_without_checkpointing_mib", "mem_peak_mib",
            "precision", "global_batch", "loader", "final_checkpoint", "final_sha256",
            "final_bytes", "best_checkpoint", "best_sha256", "best_bytes", "note"]
+
+
+MEMORY_KINDS = ("params_mib", "grads_mib", "optimizer_mib", "activations_mib",
+                "activations_without_checkpointing_mib", "peak_mib")
 
 
 def _read_json(path: Path) -> dict | None:
@@ -84,6 +91,9 @@ def stage_row(cfg: Config, name: str) -> tuple[dict, list[dict]]:
         row.update({f"{k}_s": v for k, v in ((s.get("wall") or {}).get("split_s") or {}).items()})
         if row.get("mean_samples_per_s") is not None:
             row["samples_per_s_per_rank"] = row["mean_samples_per_s"] / s["world_size"]
+        for k in MEMORY_KINDS:  # the largest rank's (FSDP's ranks hold different shards)
+            row[f"mem_{k}"] = max((m[k] for m in s.get("memory_per_rank") or []
+                                   if m.get(k) is not None), default=None)
         if s.get("early_stop"):  # stages[].stop: why it ended before its last epoch
             row["early_stop"] = f"step {s['early_stop']['step']}: {s['early_stop']['reason']}"
     for kind in ("final", "best"):

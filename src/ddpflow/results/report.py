@@ -103,10 +103,31 @@ torch {html_text(str(manifest.get('torch')))}</p>
 <h2>Headline</h2>{headline}
 <h2>Plots</h2>{imgs or '<p>No metrics recorded yet.</p>'}
 {_held_out(summary)}
+{_memory(rows)}
 <h2>Stages</h2>{''.join(details)}
 <h2>Manifest</h2><pre id="manifest">{man}</pre>
 </body></html>
 """
+
+
+def _memory(rows: list[dict]) -> str:
+    """Memory per rank by kind (the largest rank's), one row per finished stage."""
+    kinds = [("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
+             ("activations", "activations"),
+             ("activations_without_checkpointing", "activations without checkpointing"),
+             ("peak", "peak")]
+    done = [r for r in rows if r.get("finished") and r.get("mem_peak_mib") is not None]
+    if not done:
+        return ""
+    head = "".join(f"<th>{html_text(h)}</th>" for h in
+                   ["stage", "strategy", "ranks"] + [label for _, label in kinds])
+    trs = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in [
+        r["stage"], r.get("strategy"), r.get("world_size")] + [
+        r.get(f"mem_{k}_mib") for k, _ in kinds]) + "</tr>" for r in done)
+    return (f'<h2>Memory per rank (MiB)</h2><p>Parameters, gradients and optimizer state '
+            f'as each rank holds them (a shard under fsdp); activations: what one micro-batch '
+            f'kept for the backward; peak: the GPU allocator\'s (a CPU: the process\'s resident '
+            f'set)</p><table id="memory"><tr>{head}</tr>{trs}</table>')
 
 
 def _held_out(summary: dict) -> str:
