@@ -7,6 +7,7 @@ without), and the peak (the GPU allocator's, or the process's resident set on a 
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -15,6 +16,20 @@ from ddpflow.engine import sharding
 from ddpflow.engine.runtime import peak_memory_mib
 
 MIB = 2**20
+
+
+def rss_mib() -> float:
+    """This process's resident set now, MiB (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+# the interpreter, torch and its libraries, before any model or data: what a CPU rank's peak
+# (its resident set) holds besides training
+START_RSS_MIB = rss_mib()
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -62,4 +77,6 @@ def memory_record(model, opt, measured: dict | None, device) -> dict:
             "activations_mib": mib(measured.get("activations")),
             "activations_without_checkpointing_mib": mib(measured.get(
                 "without_checkpointing")),
-            "peak_mib": round(peak_memory_mib(device), 1)}
+            "peak_mib": round(peak_memory_mib(device), 1),
+            # a CPU's peak is the process's: what it held before the model and data came
+            "process_start_mib": round(START_RSS_MIB, 1) if device.type == "cpu" else None}

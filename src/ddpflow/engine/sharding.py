@@ -155,12 +155,15 @@ def checkpoint_blocks(blocks: list[nn.Module]) -> None:
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes autograd keeps for the backward while active (each storage once)."""
+    """Bytes autograd keeps for the backward while active (each storage once), parameters
+    left out (they are held anyway: counted as parameters)."""
 
     def __init__(self):
         self.bytes, self.seen = 0, set()
 
         def pack(t):
+            if t.is_leaf and t.requires_grad:  # a parameter (FSDP: a gathered one)
+                return t
             key = (t.untyped_storage().data_ptr(), t.device)
             if key not in self.seen and t.untyped_storage().data_ptr():
                 self.seen.add(key)
