@@ -162,7 +162,8 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         self.bytes, self.seen = 0, set()
 
         def pack(t):
-            if t.is_leaf and t.requires_grad:  # a parameter (FSDP: a gathered one)
+            base = t if t._base is None else t._base  # a weight's transpose is a view
+            if base.is_leaf and base.requires_grad:  # a parameter (FSDP: a gathered one)
                 return t
             key = (t.untyped_storage().data_ptr(), t.device)
             if key not in self.seen and t.untyped_storage().data_ptr():
