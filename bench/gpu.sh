@@ -27,6 +27,11 @@
 #                  "model_raw", torch.equal; the files also hold the run's name and config)
 #   compile        compile: true builds graphs (compiled_graphs > 0) and counts its FLOPs
 #   tune           `ddpflow tune --memory-cap-mb 3072`: a batch that then trains
+#   fsdp           strategy fsdp + activation checkpointing (ViT-B/16, 224 px, bf16) on NCCL,
+#                  a rank per GPU: halted at a sharded checkpoint (exit 75), resumed from it
+#                  (`resumed from ckpt-000000020.dcp`), 12 blocks checkpointed; figure: peak
+#                  memory per rank and samples/s against DDP of the same model; with 2 GPUs
+#                  or more, FSDP's peak must be at most 0.6 of DDP's
 #   nondeterministic  a model with a CUDA op that has no deterministic kernel (bilinear
 #                  interpolate's backward, in torch.use_deterministic_algorithms's list of ops
 #                  that raise), deterministic: true: one message naming the op, exit 2, no
@@ -314,6 +319,30 @@ PY
   cat "$out/nondet.err"; echo "figure: exit $rc: $(head -c 200 "$out/nondet.err")"
   [ $rc -eq 2 ] && grep -q "deterministic" "$out/nondet.err" && ! grep -q "Traceback" "$out/nondet.err"
 }
+c_fsdp() {  # FSDP2 + checkpointing on NCCL, halted and resumed; its memory against DDP's
+  local c d
+  c=$(cfg fsdp vit_b_16 224 4096 "loader: device" "max_steps: 40, batch_size: 32, \
+precision: bf16, strategy: fsdp, activation_checkpointing: true" "" "$nproc") || return 1
+  sed -i 's/every_steps: 0,/every_steps: 10,/' "$c"
+  timeout 250 $py -m ddpflow launch -c "$c" --stage s --halt-after-steps 20; [ $? -eq 75 ] || return 1
+  timeout 250 $py -m ddpflow launch -c "$c" --stage s 2>&1 | tee "$out/fsdp-resume.txt"
+  grep -q "resumed from ckpt-000000020.dcp" "$out/fsdp-resume.txt" || return 1
+  d=$(cfg fsdpddp vit_b_16 224 4096 "loader: device" "max_steps: 40, batch_size: 32, \
+precision: bf16" "" "$nproc") || return 1
+  timeout 250 $py -m ddpflow launch -c "$d" --stage s || return 1
+  $py - "$(summary fsdp)" "$(summary fsdpddp)" <<'PY'
+import json, sys
+f, d = (json.load(open(p)) for p in sys.argv[1:3])
+fm, dm = (max(m["peak_mib"] for m in s["memory_per_rank"]) for s in (f, d))
+print("figure:", {"world": f["world_size"], "backend": f["backend"], "fsdp_peak_mib": fm,
+                  "ddp_peak_mib": dm, "peak_ratio": round(fm / dm, 2),
+                  "fsdp_samples_per_s": f["mean_samples_per_s"],
+                  "ddp_samples_per_s": d["mean_samples_per_s"]})
+ok = (f["finished"] and f["backend"] == "nccl" and f["sharding"]
+      and f["checkpointed_blocks"] == 12)
+sys.exit(0 if ok and (f["world_size"] < 2 or fm <= 0.6 * dm) else 1)
+PY
+}
 figures() {  # channels_last against not, and a small-image model
   local c
   c=$(cfg rn50nchw resnet50 224 8192 "loader: device" \
@@ -334,6 +363,7 @@ check determinism c_det
 check compile c_compile
 check tune c_tune
 check nondeterministic c_nondet
+check fsdp c_fsdp
 check export_cuda c_export_cuda
 check layout_probe c_layout
 ranks gloo

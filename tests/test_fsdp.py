@@ -265,6 +265,14 @@ def test_a_shard_blocks_mistake_is_one_message(tmp_path):
         blocks(SmallCNN(10), stage={"activation_checkpointing": ["Blok"]})
     ac, shard = blocks(SmallCNN(10), stage={"activation_checkpointing": ["Conv2d"]})
     assert [type(b).__name__ for b in ac] == ["Conv2d"] * 3 and len(shard) == 3
+    # through the command: the same one message before any rank starts, exit 2
+    raw = tiny_config(tmp_path, stages=[FSDP_STAGE], model={"shard_blocks": ["Blok"]})
+    p = write_config(tmp_path, raw)
+    ddpflow("prepare", "--config", p, check=True)
+    proc = ddpflow("launch", "--config", p, "--stage", "s1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"ddpflow: error: {e.value}"
+    assert "torch.distributed.run" not in proc.stderr  # no rank was started
 
 
 @pytest.mark.parametrize("name,cls,count", [("resnet18", "BasicBlock", 8),

@@ -133,6 +133,10 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
     add_code_dirs(cfg)
     model = _model_on_meta(cfg, meta)
     _check_seams(cfg, st, meta, model)
+    if model is not None:  # model.shard_blocks / activation_checkpointing name its blocks
+        from ddpflow.engine.build import model_blocks
+
+        model_blocks(cfg, st, model)
     if st.init_from == "previous":
         prev = cfg.stages[i - 1].name
         summary, stale = stage_result(cfg, prev)
