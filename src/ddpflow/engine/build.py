@@ -100,7 +100,8 @@ def model_parts(cfg, st, d, data, batch_size: int, precision: str, compile_: boo
     init_src = init_source(cfg, st.name)
     init_report = start_weights(cfg, st, model, init_src, say)  # (a new head: the same too)
     distributed.seed_rank_stream(cfg.seed, d.rank)  # from here on, each rank's own stream
-    model.to(d.device)
+    if st.strategy != "fsdp":  # fsdp: fully_shard moves each block as it shards it, so a
+        model.to(d.device)  # GPU never holds the whole model (sharding.shard)
     # channels_last true/false, or auto (layout.py); the inputs follow the model
     on, why = ((False, "strategy fsdp: FSDP2 shards contiguous parameters only")
                if st.strategy == "fsdp" else
