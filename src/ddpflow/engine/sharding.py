@@ -103,7 +103,7 @@ class Measure:
 
 def _checkpointed_class(cls: type) -> type:
     """`cls` with its forward run under torch.utils.checkpoint (non-reentrant: works with
-    DDP, FSDP and torch.compile, keeps the RNG so dropout repeats in the recompute). A
+    DDP and FSDP, keeps the RNG so dropout repeats in the recompute). A
     subclass, so parameter names, state dicts and deepcopies stay as they were."""
     if cls not in _CHECKPOINTED:
         def forward(self, *args, **kwargs):
