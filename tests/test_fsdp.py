@@ -5,6 +5,7 @@ M with the same global batch (DDP and FSDP)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -258,13 +259,26 @@ def test_a_shard_blocks_mistake_is_one_message(tmp_path):
     with pytest.raises(UserError) as e:
         blocks(SmallCNN(10), shard_blocks=["Blok"])
     assert str(e.value) == (
-        "model.shard_blocks: 'Blok' is not the class of any module of model smallcnn, "
-        "which has repeated blocks Sequential (3); name one of "
-        "those classes (or null: found in the model)")
+        "model.shard_blocks: 'Blok' is not the class of any module of the model; model "
+        "smallcnn has repeated blocks Sequential (3); name one of those classes (or null: "
+        "found in the model)")
+    # what is not a block: a layer without parameters, the model itself; another case
+    for name, why in (("ReLU", "has no parameters: it is a layer, not a block"),
+                      ("SmallCNN", "is the model itself, not one of its blocks"),
+                      ("sequential", "is not the class of any module of the model (did you "
+                                     "mean 'Sequential'?)")):
+        with pytest.raises(UserError, match=re.escape(f"'{name}' {why}; model smallcnn")):
+            blocks(SmallCNN(10), stage={"activation_checkpointing": [name]})
+    # the class found names the same blocks when named (not the Sequential around them)
+    named, _ = blocks(SmallCNN(10), stage={"activation_checkpointing": ["Sequential"]})
+    found, _ = blocks(SmallCNN(10), stage={"activation_checkpointing": True})
+    assert [type(b).__name__ for b in named] == [type(b).__name__ for b in found] == [
+        "Sequential"] * 3 and all(len(b) == 3 for b in named)  # conv, norm, relu each
     with pytest.raises(UserError, match=r"^stages\.0\.strategy fsdp: model smallcnn has no "
                                         r"repeated blocks \(6 parameters\) to shard"):
         blocks(nn.Linear(3, 2, bias=False).requires_grad_())
-    with pytest.raises(UserError, match=r"stages\.0\.activation_checkpointing: 'Blok' is not"):
+    with pytest.raises(UserError, match=r"stages\.0\.activation_checkpointing: 'Blok' is not.*"
+                                        r"\(or true: found in the model\)"):
         blocks(SmallCNN(10), stage={"activation_checkpointing": ["Blok"]})
     ac, shard = blocks(SmallCNN(10), stage={"activation_checkpointing": ["Conv2d"]})
     assert [type(b).__name__ for b in ac] == ["Conv2d"] * 3 and len(shard) == 3
@@ -381,3 +395,35 @@ def test_a_damaged_sharded_checkpoint_is_skipped_and_an_unfinished_one_removed(t
     checkpoint.prune(folder, 1)
     assert sorted(p.name for p in folder.iterdir()) == ["ckpt-000000008.dcp",
                                                         "ckpt-000000008.dcp.sha256"]
+
+
+def test_the_resume_key_leaves_out_what_changes_only_placement_and_memory(tmp_path):
+    """A stage that ran out of memory, or comes back on other GPUs, resumes with
+    checkpointing, FSDP's units or its ranks changed; the result's own hash keeps them."""
+    from ddpflow.config import from_dict
+
+    def hashes(**over):
+        raw = tiny_config(tmp_path, stages=[{**FSDP_STAGE, **over.pop("stage", {})}], **over)
+        cfg = from_dict(raw)
+        return cfg.stage_hash("s1", placement=False), cfg.stage_hash("s1")
+
+    key, result = hashes()
+    for other in ({"stage": {"activation_checkpointing": False}},
+                  {"stage": {"reshard_after_forward": False}},
+                  {"model": {"shard_blocks": ["Sequential"]}},
+                  {"hardware": {"nproc_per_node": 1, "threads_per_rank": 2}}):
+        k, r = hashes(**other)
+        assert k == key and r != result, other
+    assert hashes(stage={"lr": 0.1})[0] != key  # what is computed still counts
+
+
+def test_sync_bn_on_cpu_ranks_is_one_message(tmp_path):
+    """SyncBatchNorm runs on GPUs only: on CPU ranks (ddp or fsdp) one message, exit 2,
+    no torchrun restarts (before: a traceback per rank, restarted twice)."""
+    p = setup_run(tmp_path / "r", {**FSDP_STAGE, "strategy": "ddp"}, model={"sync_bn": True})
+    proc = run(tmp_path / "r")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ddpflow: error: model.sync_bn: SyncBatchNorm runs on GPUs only, and this stage "
+        "trains on cpu; set model.sync_bn: false")
+    assert p.is_file()

@@ -273,8 +273,9 @@ class Config:
 
     def stage_hash(self, name: str, placement: bool = True) -> str:
         """Hash of what one stage's result depends on: everything but the other stages.
-        placement False: also without how many ranks, nodes and GPUs run it (a checkpoint's
-        resume key: a requeue onto fewer GPUs resumes, keeping its global batch)."""
+        placement False: also without how many ranks, nodes and GPUs run it, and without
+        activation checkpointing and FSDP's units (a checkpoint's resume key: a requeue onto
+        fewer GPUs, or a stage that ran out of memory, resumes with them changed)."""
         d = self.to_dict()
         d["stages"] = d["stages"][: self.stage_index(name) + 1]
         # how often we look and save, and where results live: not what is computed (a moved
@@ -287,10 +288,14 @@ class Config:
             d.pop(key, None)
         for key in ("slots", "rdzv_port"):  # which GPUs/cores and port, and where the data
             d["hardware"].pop(key, None)
-        if not placement:
+        if not placement:  # nor what changes only memory, not the numbers computed
             for key in ("nproc_per_node", "devices", "nodes", "threads_per_rank",
                         "max_restarts", "timeout_s"):
                 d["hardware"].pop(key, None)
+            d["model"].pop("shard_blocks", None)
+            for st in d["stages"]:
+                st.pop("activation_checkpointing", None)
+                st.pop("reshard_after_forward", None)
         d["data"].pop("prepared_dir", None)  # lives: not what is computed
         return config_hash(d)
 

@@ -110,6 +110,9 @@ def model_parts(cfg, st, d, data, batch_size: int, precision: str, compile_: boo
     if on:
         model.to(memory_format=torch.channels_last)
         layout.channels_last_inputs(model)  # after the data's device crop, too
+    if cfg.model.sync_bn and d.backend and d.device.type != "cuda":
+        raise UserError(f"model.sync_bn: SyncBatchNorm runs on GPUs only, and this stage "
+                        f"trains on {d.device.type}; set model.sync_bn: false")
     checkpointed, blocks = model_blocks(cfg, st, model)
     sharding.checkpoint_blocks(checkpointed)  # activation checkpointing (before FSDP)
     how = None

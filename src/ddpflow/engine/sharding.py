@@ -59,24 +59,40 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
 def find_blocks(model: nn.Module, names: tuple[str, ...] | None, model_name: str,
                 setting: str = "model.shard_blocks") -> list[nn.Module]:
     """The model's blocks: instances of the classes `names` (class names), else found.
-    A name the model has no module of is a UserError listing what it has."""
-    if names:
-        by_name: dict[str, list[nn.Module]] = defaultdict(list)
-        for m in model.modules():
-            if m is not model:
-                by_name[type(m).__name__].append(m)
-        unknown = [n for n in names if n not in by_name]
-        if unknown:
-            raise UserError(f"{setting}: '{unknown[0]}' is not the class of any module of "
-                            f"model {model_name}, which has {describe(model)}; name one of "
-                            f"those classes (or null: found in the model)")
-        return _outermost([m for m in model.modules() if m is not model
-                           and type(m).__name__ in names])
-    found = repeated(model)
-    if not found:
-        return []
-    cls = min(found, key=lambda c: (_tier(c, found[c]), -sum(map(_params, found[c]))))
-    return _outermost(found[cls])
+    Named: the repeated ones where a class also wraps them (smallcnn's Sequential blocks,
+    not the Sequential around them), else the outermost; a name that is no class of the
+    model's modules, the model itself or a class without parameters is a UserError."""
+    if not names:
+        found = repeated(model)
+        if not found:
+            return []
+        cls = min(found, key=lambda c: (_tier(c, found[c]), -sum(map(_params, found[c]))))
+        return _outermost(found[cls])
+    for name in names:
+        _check_name(model, name, model_name, setting)
+    reps = {id(m) for members in repeated(model).values() for m in members}
+    named = [m for m in model.modules() if m is not model and type(m).__name__ in names
+             and _params(m)]
+    kept = [m for m in named if id(m) in reps] or named
+    return _outermost(kept)
+
+
+def _check_name(model: nn.Module, name: str, model_name: str, setting: str) -> None:
+    found = [m for m in model.modules() if m is not model and type(m).__name__ == name]
+    null = "true" if setting.endswith("activation_checkpointing") else "null"
+    if found and any(_params(m) for m in found):
+        return
+    if found:
+        why = "has no parameters: it is a layer, not a block"
+    elif name == type(model).__name__:
+        why = "is the model itself, not one of its blocks"
+    else:
+        close = sorted({type(m).__name__ for m in model.modules()
+                        if type(m).__name__.casefold() == name.casefold()})
+        why = ("is not the class of any module of the model" +
+               (f" (did you mean '{close[0]}'?)" if close else ""))
+    raise UserError(f"{setting}: '{name}' {why}; model {model_name} has {describe(model)}; "
+                    f"name one of those classes (or {null}: found in the model)")
 
 
 def describe(model: nn.Module) -> str:
