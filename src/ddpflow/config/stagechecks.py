@@ -97,21 +97,16 @@ def _check_strategy(key: str, st: dict) -> None:
                             f"fsdp, and this stage's strategy is {st['strategy']}; drop it, "
                             f"or set strategy: fsdp")
         return
-    clash = ("ema" if st["ema"]["decay"] is not None else "compile" if st["compile"]
-             else "precision" if st["precision"] == "fp16" else "channels_last"
-             if st["channels_last"] is True else None)
-    if clash == "ema":
-        raise UserError(f"{key}.ema: an EMA of the weights is not kept under strategy fsdp "
-                        f"(each rank holds a shard of them); set ema.decay: null, or "
-                        f"strategy: ddp")
-    if clash == "compile":
-        raise UserError(f"{key}.compile: torch.compile is not offered with strategy fsdp "
-                        f"yet; set compile: false, or strategy: ddp")
-    if clash == "channels_last":
-        raise UserError(f"{key}.channels_last: true does not go with strategy fsdp (FSDP2 "
-                        f"shards contiguous parameters only); set channels_last: false or "
-                        f"auto (off under fsdp), or strategy: ddp")
-    if clash == "precision":
-        raise UserError(f"{key}.precision: fp16 does not go with strategy fsdp (the "
-                        f"GradScaler would skip steps on some ranks only); set precision: "
-                        f"bf16 or fp32, or strategy: ddp")
+    clashes = [  # (set?, key, why not, what to set instead)
+        (st["ema"]["decay"] is not None, "ema", "an EMA of the weights is not kept under "
+         "strategy fsdp (each rank holds a shard of them)", "set ema.decay: null"),
+        (st["compile"], "compile", "torch.compile is not offered with strategy fsdp yet",
+         "set compile: false"),
+        (st["precision"] == "fp16", "precision", "fp16 does not go with strategy fsdp (the "
+         "GradScaler would skip steps on some ranks only)", "set precision: bf16 or fp32"),
+        (st["channels_last"] is True, "channels_last", "true does not go with strategy fsdp "
+         "(FSDP2 shards contiguous parameters only)",
+         "set channels_last: false or auto (off under fsdp)")]
+    for clash, name, why, fix in clashes:
+        if clash:
+            raise UserError(f"{key}.{name}: {why}; {fix}, or strategy: ddp")
