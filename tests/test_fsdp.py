@@ -282,6 +282,13 @@ def test_a_shard_blocks_mistake_is_one_message(tmp_path):
         blocks(SmallCNN(10), stage={"activation_checkpointing": ["Blok"]})
     ac, shard = blocks(SmallCNN(10), stage={"activation_checkpointing": ["Conv2d"]})
     assert [type(b).__name__ for b in ac] == ["Conv2d"] * 3 and len(shard) == 3
+    # tied weights across blocks (one Linear used by two blocks): FSDP cannot shard them
+    shared = nn.Linear(4, 4)
+    tied = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared, nn.ReLU()))
+    with pytest.raises(UserError, match=r"uses parameter '1\.0\.weight' in two of its blocks"):
+        blocks(tied)
+    untied = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4)))
+    assert len(blocks(untied)[1]) == 2
     # through the command: the same one message before any rank starts, exit 2
     raw = tiny_config(tmp_path, stages=[FSDP_STAGE], model={"shard_blocks": ["Blok"]})
     p = write_config(tmp_path, raw)

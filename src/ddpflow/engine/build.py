@@ -146,6 +146,12 @@ def model_blocks(cfg, st, model) -> tuple[list, list]:
         raise UserError(f"{where}.{why}: model {cfg.model.name} has {sharding.describe(model)}"
                         f" to shard or recompute one by one; use strategy ddp without activation "
                         f"checkpointing, or name its block classes in model.shard_blocks")
+    tied = sharding.shared_parameter(model, blocks) if st.strategy == "fsdp" else None
+    if tied:
+        raise UserError(f"{where}.strategy fsdp: model {cfg.model.name} uses parameter "
+                        f"'{tied}' in two of its blocks, or in a block and outside them (tied "
+                        f"weights), and FSDP shards each block apart; name larger blocks in "
+                        f"model.shard_blocks that hold every use of it, or use strategy ddp")
     if isinstance(ac, tuple):
         return sharding.find_blocks(model, ac, cfg.model.name,
                                     f"{where}.activation_checkpointing"), blocks

@@ -50,11 +50,16 @@ def write_atomic(path: Path, payload: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def save_file(path: Path, obj) -> str:
-    """torch.save obj to path atomically; returns its SHA-256 (also written beside it)."""
+def serialize(obj) -> bytes:
+    """What torch.save writes for obj, in memory."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    payload = buf.getvalue()
+    return buf.getvalue()
+
+
+def save_file(path: Path, obj) -> str:
+    """torch.save obj to path atomically; returns its SHA-256 (also written beside it)."""
+    payload = serialize(obj)
     digest = hashlib.sha256(payload).hexdigest()
     write_atomic(path, payload)
     write_atomic(Path(str(path) + ".sha256"), f"{digest}  {Path(path).name}\n".encode())

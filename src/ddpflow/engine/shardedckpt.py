@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from ddpflow.core.checksum import sha256_of
@@ -81,7 +80,7 @@ class ShardedWriter:
         """Rank 0, in the thread: once DCP's metadata is written (every rank's shards are),
         state.pt, the rename and the checksums; then keep-last."""
         future.result()
-        checkpoint.write_atomic(tmp / checkpoint.STATE, _bytes(state))
+        checkpoint.write_atomic(tmp / checkpoint.STATE, checkpoint.serialize(state))
         sums = "".join(f"{sha256_of(f)}  {f.relative_to(tmp)}\n"
                        for f in sorted(tmp.rglob("*")) if f.is_file())
         checkpoint.place_folder(tmp, final)
@@ -90,14 +89,6 @@ class ShardedWriter:
 
     def wait(self) -> None:
         self.writer.wait()
-
-
-def _bytes(obj) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def load_shards(path: Path, model, opt) -> None:

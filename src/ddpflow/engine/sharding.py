@@ -105,6 +105,22 @@ def describe(model: nn.Module) -> str:
         f"{c.__name__} ({len(_outermost(found[c]))})" for c in ranked[:5])
 
 
+def shared_parameter(model: nn.Module, blocks: list[nn.Module]) -> str | None:
+    """The name of a parameter that a block shares with another block or with the rest of
+    the model (tied weights), or None. FSDP shards each block apart: a tied parameter would
+    belong to two units."""
+    index = {id(b): i for i, b in enumerate(blocks)}
+    unit: dict[str, int] = {}  # module path -> its block (-1: the root's unit)
+    first: dict[int, int] = {}  # parameter -> the unit it was met in first
+    for name, m in model.named_modules(remove_duplicate=False):  # parents first
+        parent = unit.get(name.rpartition(".")[0], -1) if name else -1
+        unit[name] = index.get(id(m), parent) if parent == -1 else parent
+        for pname, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            if first.setdefault(id(p), unit[name]) != unit[name]:
+                return f"{name}.{pname}" if name else pname
+    return None
+
+
 # ---------------------------------------------------------------- activation checkpointing
 _CHECKPOINTED: dict[type, type] = {}
 

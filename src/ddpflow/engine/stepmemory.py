@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddpflow.engine.sharding import SavedBytes
+
 
 class SimulatedOOM(RuntimeError):
     """A step that would not fit under `--memory-cap-mb` (a cap injected for tests/sharing)."""
@@ -48,13 +50,6 @@ def find_max_batch(fits, start: int, limit: int,
     return lo, trials
 
 
-def _saved_bytes_hooks(counter: list[int]):
-    def pack(t):
-        counter[0] += t.numel() * t.element_size()
-        return t
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
 def is_oom(e: BaseException) -> bool:
     """An allocation failure: torch's OOM, or cuDNN's/cuBLAS's own (a RuntimeError)."""
     return isinstance(e, (torch.cuda.OutOfMemoryError, SimulatedOOM)) or (
@@ -72,15 +67,15 @@ def step_memory(model, x, y, amp_dtype, device) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_reserved(device)
-    saved = [0]
-    with _saved_bytes_hooks(saved), torch.autocast(device.type, dtype=amp_dtype,
+    saved = SavedBytes()  # what autograd keeps, each storage once, weights left out
+    with saved, torch.autocast(device.type, dtype=amp_dtype,
                                                    enabled=amp_dtype is not None):
         loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
     if device.type == "cuda":  # x and y were allocated before base: counted apart
         peak = torch.cuda.max_memory_reserved(device) - base + batch + params * 2
     else:  # CPU: what autograd kept for backward, the batch, weights + grads + momentum
-        peak = saved[0] + batch + params * 3
+        peak = saved.bytes + batch + params * 3
     model.zero_grad(set_to_none=True)
     return int(peak)
 
