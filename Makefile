@@ -1,7 +1,8 @@
 # ddpflow: two commands on a fresh machine.
 #   make run    set up .venv, then run the workflow on config/config.yaml (snakemake --cores all;
 #               CONFIG=my.yaml for your own config)
-#   make test   set up .venv and the test services (Docker engine), lint, run every test
+#   make test   set up .venv and the test services (Docker engine), lint, run every test, then
+#               the mutation ratchet (tests/mutation: changed functions' tests must catch bugs)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +15,7 @@ CORES ?= all
 # longest files start first (tests/conftest.py)
 TEST_JOBS ?= 2
 
-.PHONY: run test install lint test-env bench mutate clean
+.PHONY: run test install lint test-env bench mutate mutate-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +39,7 @@ test-env:
 
 test: $(STAMP) test-env lint
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+	$(PY) tests/mutation/mutate.py check
 
 bench: $(STAMP)
 	$(PY) bench/ddp_scaling.py
@@ -49,11 +51,15 @@ bench: $(STAMP)
 	$(PY) bench/trainer_vs_reference.py
 	$(PY) bench/vs_lightning.py
 
-# mutation testing of the functions that decide results (bench/mutate.py; minutes, not part
-# of `make test`): each mutant against the fast tests that claim it; bench/mutate.json;
-# MUTATE="splits seeds" for some targets only
+# mutation testing (tests/mutation/mutate.py): the functions whose source changed since
+# tests/mutation/records.json are mutated against the tests that reach them, and the records
+# updated; then the table per module. MUTATE=--all: every function (hours on 2 cores)
 mutate: $(STAMP)
-	$(PY) bench/mutate.py $(MUTATE)
+	$(PY) tests/mutation/mutate.py run $(MUTATE)
+
+# the ratchet alone (the last step of `make test`)
+mutate-check: $(STAMP)
+	$(PY) tests/mutation/mutate.py check
 
 clean:
 	rm -rf results logs .snakemake

@@ -1,6 +1,6 @@
 # ddpflow: build the image, prepare the data, train stage after stage with torchrun,
 # collect the results.   snakemake --cores all   |   snakemake --profile profiles/slurm
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -15,14 +15,10 @@ if not workflow.overwrite_configfiles:
 report: "workflow/report/workflow.rst"
 
 
-# common.smk first resolves the config through ddpflow's own validation (one clear message
-# for any mistake, before any job); the schema check below then sees the resolved config
+# common.smk resolves the config through ddpflow's own validation against
+# workflow/schemas/config.schema.yaml (one clear message for any mistake, before any job),
+# once: it also gives each rule what its result depends on (ddpflow's rerun rule)
 include: "workflow/rules/common.smk"
-
-
-validate(config, "workflow/schemas/config.schema.yaml")
-
-
 include: "workflow/rules/image.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/tune.smk"

@@ -97,7 +97,7 @@ def _rollup() -> dict[str, int]:
 
 
 def memory_worker(data_dir: str, kind: str) -> None:
-    from ddpflow.config import Augment
+    from ddpflow.config.types import AugmentCfg
     from ddpflow.data import prepared
     from ddpflow.data.loaders import Normalize, TrainBatches, read_rows
 
@@ -107,7 +107,7 @@ def memory_worker(data_dir: str, kind: str) -> None:
     before = _rollup()
     norm = Normalize(meta["mean"], meta["std"], torch.device("cpu"), 3, False)
     tb = TrainBatches(kind, *arrays["train"], 128, torch.device("cpu"), 2, 0, 0,
-                      Augment(4, True, 0), norm, num_workers=0, image_size=32)
+                      AugmentCfg(4, True, 0, None), norm, num_workers=0, image_size=32)
     for _ in tb.epoch(0):
         pass
     after = _rollup()

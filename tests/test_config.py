@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -308,3 +309,62 @@ def test_json_configs_read_as_json(tmp_path):
     assert cfg.stages[0].lr == 1e-05 and cfg.stages[0].weight_decay == 5e-4
     p.write_text('{"stages": [')
     assert_clean_failure(ddpflow("validate", "--config", p), "not valid JSON")
+
+
+def _schema_keys(node: dict, path: str = ""):
+    """(dotted key, its schema) of every key of the schema's sections, stages as stages.0."""
+    from ddpflow.config.types import is_section
+
+    target = node.get("items") if node.get("type") == "array" else node
+    if not isinstance(target, dict) or not is_section(target):
+        return
+    for key, sub in target["properties"].items():
+        dotted = f"{path}.{key}" if path else key
+        dotted = dotted + ".0" if sub.get("type") == "array" and is_section(
+            sub.get("items") or {}) else dotted
+        if not is_section(sub) and "[" not in dotted and not dotted.endswith(".0"):
+            yield dotted, sub  # a setting (a section is a heading: its keys are checked)
+        yield from _schema_keys(sub, dotted)
+
+
+# config/config.yaml's values that are not the schema's default, and why
+RECIPE = "the default run's recipe: a stage (or data size) that trains in minutes on a CPU"
+NOT_DEFAULT = {"stages.0.name": "a stage's name has no default", "stages.0.lr": RECIPE,
+               "stages.0.epochs": RECIPE, "stages.0.nesterov": RECIPE,
+               "stages.0.lr_scaling": RECIPE, "stages.0.warmup_epochs": RECIPE,
+               "data.train_size": RECIPE, "data.val_size": RECIPE}
+
+
+def test_the_commented_config_is_the_schema():
+    """The keys are written twice: the schema (their one typed source: config/types.py is
+    derived from it) and config/config.yaml, commented key by key for users. This holds the
+    two together: every schema key is in the commented file with a comment on its line, at
+    the schema's default (or a named exception), and the file holds no other key."""
+    from ddpflow.config.types import schema
+
+    text = (REPO / "config" / "config.yaml").read_text()
+    shipped = yaml.safe_load(text)
+    lines = text.splitlines()
+    problems = []
+    for dotted, sub in _schema_keys(schema()):
+        node = shipped
+        for part in dotted.split("."):
+            if isinstance(node, list) and not node:  # sweep.variants: [] (no item to look at)
+                node = None
+                break
+            node = node[int(part)] if isinstance(node, list) else (node or {}).get(part, KeyError)
+            if node is KeyError:
+                break
+        if node is None and ".0" in dotted:
+            continue
+        if node is KeyError:
+            problems.append(f"{dotted}: in the schema, not in config/config.yaml")
+            continue
+        last = dotted.split(".")[-1] if not dotted.endswith(".0") else dotted.split(".")[-2]
+        commented = [ln for ln in lines if re.match(rf"\s*(- )?{last}:", ln) and "#" in ln]
+        if not commented:
+            problems.append(f"{dotted}: no comment on its line in config/config.yaml")
+        if "default" in sub and node != sub["default"] and dotted not in NOT_DEFAULT:
+            problems.append(f"{dotted}: {node!r} in config/config.yaml, {sub['default']!r} "
+                            f"in the schema")
+    assert not problems, "\n".join(problems)

@@ -151,20 +151,41 @@ class Items(torch.utils.data.Dataset):
         return self.make(i)
 
 
-def test_items_are_probed_first_middle_and_last():
+def _broken(i):
+    raise ValueError("no such file: 3.png")
+
+
+PROBED = [  # (dataset, expected): the first, a middle and the last item probed
+    (Items(lambda i: (torch.zeros(3, 8, 8 + (i == 8)), 0)),
+     "item 8 of the 'val' dataset has shapes ((3, 8, 9), ()), item 0 has ((3, 8, 8), ()); "
+     "expected items of one shape (images must be one size"),
+    (Items(lambda i: (IMAGE, 9 if i == 4 else 0)),  # the middle item's label
+     "item 4 of the 'val' dataset: its target is label 9"),
+    (Items(lambda i: (IMAGE, 0), n=99), "reading item 98 of the 'val' dataset failed "
+                                        "(len() says 99)"),
+    (Items(_broken), "reading item 0 of the 'val' dataset failed (ValueError: no such file"),
+]
+
+
+@pytest.mark.parametrize("ds,expected", PROBED)
+def test_items_are_probed_first_middle_and_last(ds, expected):
     name = "data.factory mypkg.data:make"
-    ragged = Items(lambda i: (torch.zeros(3, 8, 8 + (i == 8)), 0))
-    with pytest.raises(UserError, match=re.escape(
-            "item 8 of the 'val' dataset has shapes ((3, 8, 9), ()), item 0 has ((3, 8, 8), ()); "
-            "expected items of one shape (images must be one size")):
-        check_items(ragged, name, "val", None, 4)
-    late = Items(lambda i: (IMAGE, 9 if i == 4 else 0))  # the middle item's label
-    with pytest.raises(UserError, match="item 4 of the 'val' dataset: its target is label 9"):
-        check_items(late, name, "val", None, 4)
-    with pytest.raises(UserError, match=r"reading item 98 of the 'val' dataset failed "
-                                        r"\(len\(\) says 99\)"):
-        check_items(Items(lambda i: (IMAGE, 0), n=99), name, "val", None, 4)
+    with pytest.raises(UserError, match=re.escape(expected)) as e:
+        check_items(ds, name, "val", None, 4)
+    assert str(e.value).startswith(f"{name}: "), e.value
     assert check_items(Items(lambda i: (IMAGE, i % 4)), name, "val", 3, 4)[1] == 0
+
+
+@pytest.mark.parametrize("ds,index,expected", [
+    (Items(_broken), 3, "reading item 3 of the 'train' dataset failed (ValueError: no such file"),
+    (Items(lambda i: (IMAGE, 0), n=99), 70, "reading item 70 of the 'train' dataset failed "
+                                            "(len() says 99) (IndexError: 70"),
+])
+def test_an_item_that_cannot_be_read_is_one_message_naming_the_factory(ds, index, expected):
+    name = "data.factory mypkg.data:other"
+    with pytest.raises(UserError, match=re.escape(expected)) as e:
+        contract.read_item(ds, index, name, "train")
+    assert str(e.value).startswith(f"{name}: "), e.value
 
 
 def test_the_builtin_synthetic_set_passes_the_same_item_check():
@@ -197,45 +218,73 @@ def task(loss=None, metrics=None):
 
 
 BATCH = (torch.rand(4, 3, 8, 8), torch.tensor([0, 1, 2, 3]))
-TASKS = [  # (task, builtin rules, outputs, batch, expected)
-    (task(loss=lambda o, b: (o - 1).square().mean(1)), None, None, BATCH,
+TASK = "task.name mypkg.tasks:Task"
+TASKS = [  # (task, builtin rules, outputs, batch, the name it begins with, expected)
+    (task(loss=lambda o, b: (o - 1).square().mean(1)), None, None, BATCH, TASK,
      "task.name mypkg.tasks:Task: loss(outputs, batch) returned a tensor of shape (4,), not "
      "a scalar tensor"),
-    (task(loss=lambda o, b: 1.5), None, None, BATCH, "returned float 1.5, not a scalar"),
-    (task(loss=lambda o, b: torch.tensor(0.5)), None, None, BATCH,
+    (task(loss=lambda o, b: 1.5), None, None, BATCH, TASK, "returned float 1.5, not a scalar"),
+    (task(loss=lambda o, b: torch.tensor(0.5)), None, None, BATCH, TASK,
      "does not depend on the model's outputs"),
-    (task(loss=lambda o, b: o.sum() * float("nan")), None, None, BATCH,
+    (task(loss=lambda o, b: o.sum() * float("nan")), None, None, BATCH, TASK,
      "loss(outputs, batch) is nan on the first batch of this run, before any update (so not "
      "the learning rate): the outputs and inputs are finite: the loss itself"),
     (task(), None, torch.full((4, 4), float("nan"), requires_grad=True),
-     (torch.full((4, 3, 8, 8), float("inf")), BATCH[1]), "the batch's inputs hold NaN/inf"),
-    (task(), None, torch.full((4, 4), float("nan"), requires_grad=True), BATCH,
+     (torch.full((4, 3, 8, 8), float("inf")), BATCH[1]), TASK, "the batch's inputs hold NaN/inf"),
+    (task(), None, torch.full((4, 4), float("nan"), requires_grad=True), BATCH, TASK,
      "model.name mypkg.nets:build returned NaN/inf for finite inputs"),
-    (task(metrics=lambda o, b: {"acc": (torch.tensor(0.0), 0)}), None, None, BATCH,
+    (task(metrics=lambda o, b: {"acc": (torch.tensor(0.0), 0)}), None, None, BATCH, TASK,
      "metrics(outputs, batch) returned a count of 0 for every metric (acc)"),
-    (task(metrics=lambda o, b: [1, 2]), None, None, BATCH,
+    (task(metrics=lambda o, b: [1, 2]), None, None, BATCH, TASK,
      "metrics(outputs, batch) returned a list of 2"),
-    (task(metrics=lambda o, b: {"acc": 3.0}), None, None, BATCH,
+    (task(metrics=lambda o, b: {"acc": 3.0}), None, None, BATCH, TASK,
      "item 'acc' must be a name -> (sum, count) pair; it is float 3.0"),
-    (task(), "classification", None, (BATCH[0], torch.tensor([0, 1, 2, 7])),
-     "the batch's targets hold class 7, but model.name mypkg.nets:build returned a Tensor of "
-     "shape (4, 4) (float32): 4 outputs per sample; expected class indices in [0, 4)"),
-    (task(), "classification", torch.randn(4, 4, 2, requires_grad=True), BATCH,
+    # the built-in tasks' rules for outputs and targets (_fits): they name the model
+    (task(), "classification", None, (BATCH[0], torch.tensor([0, 1, 2, 7])), NAME,
+     "model.name mypkg.nets:build: the batch's targets hold class 7, but it returned a Tensor "
+     "of shape (4, 4) (float32): 4 outputs per sample; expected class indices in [0, 4)"),
+    (task(), "classification", None, (BATCH[0], torch.tensor([-1, 1, 2, 3])), NAME,
+     "the batch's targets hold class -1"),
+    (task(), "classification", torch.randn(4, 4, 2, requires_grad=True), BATCH, NAME,
      "returned a Tensor of shape (4, 4, 2) (float32) for a batch of 4"),
-    (task(), "classification", None, (BATCH[0], torch.rand(4, 3)),
-     "the batch's targets are a Tensor of shape (4, 3) (float32)"),
-    (task(), "regression", None, (BATCH[0], torch.rand(4, 1)),
+    (task(), "classification", None, (BATCH[0], torch.rand(4, 3)), NAME,
+     "the batch's targets are a Tensor of shape (4, 3) (float32); the classification task "
+     "expects integer class indices [4] (or soft targets [4, 4]) for its 4 outputs"),
+    (task(), "classification", None, (BATCH[0], torch.tensor([[0], [1], [2], [3]])), NAME,
+     "the batch's targets are a Tensor of shape (4, 1) (int64); the classification task "
+     "expects one integer class index per sample"),
+    (task(), "regression", None, (BATCH[0], torch.rand(4, 1)), NAME,
      "returned a Tensor of shape (4, 4) (float32) for targets of shape (4, 1); the "
      "regression task expects one output per target value"),
 ]
 
 
-@pytest.mark.parametrize("t,builtin,outputs,batch,expected", TASKS)
+@pytest.mark.parametrize("t,builtin,outputs,batch,who,expected", TASKS)
 def test_a_task_that_breaks_the_contract_is_one_message_naming_it(t, builtin, outputs, batch,
-                                                                 expected):
+                                                                 who, expected):
     outputs = torch.randn(4, 4, requires_grad=True) if outputs is None else outputs
-    with pytest.raises(UserError, match=re.escape(expected)):
-        check_task(t, outputs, batch, "task.name mypkg.tasks:Task", builtin, NAME)
+    with pytest.raises(UserError, match=re.escape(expected)) as e:
+        check_task(t, outputs, batch, TASK, builtin, NAME)
+    assert str(e.value).startswith(f"{who} ") or str(e.value).startswith(f"{who}:"), e.value
+
+
+LOSSES_AND_METRICS = [  # (check, value, expected): called directly, each with its own name
+    (contract.check_loss, torch.ones(2), "loss(outputs, batch) returned a tensor of shape (2,)"),
+    (contract.check_loss, "0.5", "loss(outputs, batch) returned str '0.5', not a scalar tensor"),
+    (contract.check_loss, torch.tensor(0.5), "does not depend on the model's outputs"),
+    (contract.metric_pairs, (1, 2), "metrics(outputs, batch) returned a tuple of 2"),
+    (contract.metric_pairs, {"a b": (1, 2)}, "item 'a b' must be a name -> (sum, count) pair"),
+    (contract.check_metrics, {"acc": (1.0, 0), "n": (2.0, torch.zeros(3))},
+     "returned a count of 0 for every metric (acc, n)"),
+    (contract.check_metrics, {"acc": (1.0,)}, "item 'acc' must be a name -> (sum, count) pair"),
+]
+
+
+@pytest.mark.parametrize("check,value,expected", LOSSES_AND_METRICS)
+def test_a_loss_or_metrics_that_break_the_contract_name_the_task(check, value, expected):
+    with pytest.raises(UserError, match=re.escape(expected)) as e:
+        check(value, "task.name other.tasks:T")
+    assert str(e.value).startswith("task.name other.tasks:T: "), e.value
 
 
 def test_the_builtin_tasks_pass_and_go_through_the_same_check_once():
@@ -259,7 +308,8 @@ def test_the_builtin_tasks_pass_and_go_through_the_same_check_once():
                           model=SimpleNamespace(name="mypkg.nets:build"))
     t = build_task(cfg, st, 4)
     bad = (BATCH[0], torch.tensor([0, 1, 2, 9]))
-    with pytest.raises(UserError, match="model.name mypkg.nets:build returned a Tensor"):
+    with pytest.raises(UserError, match="model.name mypkg.nets:build: the batch's targets hold "
+                                        "class 9, but it returned a Tensor"):
         t.loss(outputs, bad)
     assert t.loss(outputs, BATCH).ndim == 0
     t = build_task(cfg, st, 4)
@@ -380,4 +430,4 @@ def test_property_any_item_is_accepted_or_one_message(item, channels, classes, m
         contract.check_item(item, 0, "data.factory mine:make", "train", channels, classes,
                             materialize=materialize)
     except UserError as e:
-        assert "data.factory mine:make" in str(e) and "\n" not in str(e)
+        assert str(e).startswith("data.factory mine:make: ") and "\n" not in str(e)

@@ -305,11 +305,12 @@ def test_training_through_cifar_files_end_to_end(tmp_path):
 
 
 def test_augment_is_a_crop_of_the_padded_image_or_its_mirror():
-    from ddpflow.config import Augment
+    from ddpflow.config.types import AugmentCfg
     from ddpflow.data.loaders import augment, step_generator
 
     x = torch.randint(0, 256, (16, 8, 8, 3), dtype=torch.uint8)
-    out = augment(x, Augment(crop_padding=2, flip=True, translate=0),
+    out = augment(x, AugmentCfg(crop_padding=2, flip=True, translate=0,
+                                random_resized_crop=None),
                   step_generator(torch.device("cpu"), 0, 0, 0, 0))
     padded = torch.nn.functional.pad(x, (0, 0, 2, 2, 2, 2))
     flips = 0

@@ -217,9 +217,8 @@ def test_hung_rank_fails_within_the_timeout(tmp_path):
     wait_for(lambda: ckpt_steps(tmp_path) and ckpt_steps(tmp_path)[-1] >= EVERY)
     victim = ranks(proc)[-1]
     victim.suspend()  # a rank stuck: the other one waits in its next collective
-    t0 = time.time()
     try:
-        out, err = proc.communicate(timeout=180)
+        out, err = proc.communicate(timeout=300)  # (only a hang guard)
     finally:
         kill_tree(proc) if proc.poll() is None else None
         try:
@@ -227,10 +226,9 @@ def test_hung_rank_fails_within_the_timeout(tmp_path):
         except psutil.NoSuchProcess:
             pass
     assert proc.returncode not in (0, 75), err[-2000:]
-    # the collective's own timeout ended it: gloo's report, within timeout_s plus torchrun's
-    # teardown (it waits 30 s for the stopped rank before killing it)
-    assert "Timed out" in err or "timed out" in err, err[-3000:]
-    assert time.time() - t0 < 10 + 30 + 40  # slack for a machine busy with another test
+    # the collective's own timeout ended it, hardware.timeout_s (not gloo's 30 min): gloo
+    # names the time it waited
+    assert "Timed out waiting 10000ms" in err, err[-3000:]
     assert "failed" in err and ckpt_steps(tmp_path)  # checkpoints are kept
 
 

@@ -66,6 +66,106 @@ def setup_run(root: Path, stage: dict, ranks: int = 2, **top) -> Path:
     return p
 
 
+MIB = 2**20
+
+
+def kept_for_backward(model: nn.Module, x: torch.Tensor, blocks: list,
+                      loss=lambda out: out.sum()) -> tuple[int, int]:
+    """(bytes kept for the backward with `blocks` checkpointed, without), counted on the
+    plain model, apart from the product's meter: every storage autograd saves (parameters
+    left out), once; with checkpointing, what the model saves outside the blocks and the
+    blocks' inputs instead of what they save."""
+    inside, outer, inner, inputs = [0], {}, {}, {}
+
+    def key(t):
+        return t.untyped_storage().data_ptr()
+
+    def pack(t):
+        base = t if t._base is None else t._base
+        if not (base.is_leaf and base.requires_grad):
+            (inner if inside[0] else outer)[key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    def enter(_m, args):
+        inside[0] += 1
+        inputs.update((key(a), a.untyped_storage().nbytes()) for a in args)
+
+    def leave(*_):
+        inside[0] -= 1
+    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(enter),
+                                         b.register_forward_hook(leave))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss(model(x))
+    for h in hooks:
+        h.remove()
+    return sum({**outer, **inputs}.values()), sum({**outer, **inner}.values())
+
+
+def test_activations_are_what_autograd_keeps_each_storage_once():
+    """The meter on a model whose saved tensors are counted by hand (batch 4, fp32: 16 bytes
+    a feature), its three blocks checkpointed: it keeps x (8: the first layer's input), the
+    ReLU's output (32: also the first block's input), the first block's output (32: the
+    second's input), the second's (32: the next layer's) and the last block's input (16);
+    without checkpointing, x, the same 32 + 32 + 32, the 64 features inside the second
+    block and the last block's ReLU output (16), but not its input (its ReLU keeps its
+    output). What two of them keep (a layer and a block, a block and the next) is the same
+    memory: counted once."""
+    from ddpflow.engine import sharding
+    from ddpflow.engine.memory import activation_meter
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(),
+                             nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
+                             nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32),
+                                           nn.ReLU(inplace=True)),
+                             nn.Linear(32, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 4)))
+    x = torch.randn(4, 8)
+    plain, model = net(), net()
+    blocks = [model[2], model[3], model[5]]
+    assert kept_for_backward(plain, x, [plain[2], plain[3], plain[5]]) == (16 * 120, 16 * 184)
+    sharding.checkpoint_blocks(blocks)
+    with activation_meter(blocks) as m:
+        loss = model(x).sum()
+    loss.backward()
+    assert m == {"activations": 16 * 120, "without_checkpointing": 16 * 184}
+    loss = plain(x).sum()
+    loss.backward()  # the measure changed nothing the training computes
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
+                                                           model.parameters()))
+    # the model the FSDP stage trains: as counted apart, BatchNorm and max-pooling included
+    from ddpflow.seams.models import SmallCNN
+
+    cnn = SmallCNN(10)
+    x = torch.randn(8, 3, 16, 16)
+    blocks = [b for b in cnn.features if isinstance(b, nn.Sequential)]
+    want = kept_for_backward(cnn, x, blocks)
+    sharding.checkpoint_blocks(blocks)
+    with activation_meter(blocks) as m:
+        cnn(x).sum().backward()
+    assert (m["activations"], m["without_checkpointing"]) == want
+
+
+@pytest.mark.parametrize("optimizer,states", [("adamw", 2), ("sgd", 1)])
+def test_optimizer_memory_counts_each_state_of_each_parameter(optimizer, states):
+    """AdamW keeps two moments per parameter (its step counter is a scalar), SGD with
+    momentum one buffer: counted here from the parameters, after a real step."""
+    from types import SimpleNamespace
+
+    from ddpflow.engine.memory import memory_record
+    from ddpflow.engine.runtime import build_optimizer
+
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 10))
+    st = SimpleNamespace(optimizer=optimizer, weight_decay=0.01, momentum=0.9, nesterov=False)
+    opt = build_optimizer(model, st, 0.01, torch.device("cpu"))
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    m = memory_record(model, opt, None, torch.device("cpu"))
+    assert m["params_mib"] == m["grads_mib"] == round(whole / MIB, 2)
+    assert m["optimizer_mib"] == round(states * whole / MIB, 2)
+
+
 def same_weights(a: dict, b: dict, exact: bool) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -97,13 +197,27 @@ def test_fsdp_with_activation_checkpointing_trains_and_reports_its_memory(straig
     assert s["final_val_acc"] > 0.3  # it learns (10 classes)
     mem = s["memory_per_rank"]
     assert len(mem) == 2 and all(m["peak_mib"] > 0 for m in mem)
-    # each rank holds half of the 94.8 k parameters (fp32), their gradients and momentum
-    whole = s["params"] * 4 / 2**20
+    # each rank holds its own rows of every parameter (FSDP2 shards dim 0 as torch.chunk
+    # does), their gradients and SGD's one momentum buffer: counted here from the model
+    from ddpflow.seams.models import SmallCNN
+
+    model = SmallCNN(10)
+    assert s["params"] == sum(p.numel() for p in model.parameters())
+    for rank, m in enumerate(mem):
+        own = sum(torch.chunk(torch.empty(p.shape), 2)[rank].numel() * 4
+                  for p in model.parameters())
+        assert m["params_mib"] == m["grads_mib"] == m["optimizer_mib"] == round(own / MIB, 2)
+    # one micro-batch's activations (32 images of 3 x 16 x 16, the loss's too), counted
+    # here on the plain model: checkpointing keeps the blocks' inputs instead of everything
+    # they saved
+    blocks = [b for b in model.features if isinstance(b, nn.Sequential)]
+    kept, without = kept_for_backward(
+        model, torch.randn(32, 3, 16, 16), blocks,
+        loss=lambda out: nn.functional.cross_entropy(out, torch.randint(10, (32,))))
     for m in mem:
-        assert m["params_mib"] == pytest.approx(whole / 2, rel=0.05)
-        assert m["grads_mib"] == m["params_mib"] == m["optimizer_mib"]  # SGD: one buffer
-        # checkpointing keeps the blocks' inputs instead of everything they saved
-        assert 0 < m["activations_mib"] < 0.7 * m["activations_without_checkpointing_mib"]
+        assert m["activations_mib"] == round(kept / MIB, 2)
+        assert m["activations_without_checkpointing_mib"] == round(without / MIB, 2)
+        assert m["activations_mib"] < 0.7 * m["activations_without_checkpointing_mib"]
     # sharded checkpoints: folders, every file listed in the checksum file written last
     ckpts = sorted(p.name for p in (stage_dir(root) / "checkpoints").iterdir())
     assert ckpts[-2:] == ["ckpt-000000032.dcp", "ckpt-000000032.dcp.sha256"]
@@ -123,23 +237,31 @@ def test_fsdp_with_activation_checkpointing_trains_and_reports_its_memory(straig
     assert f"<td>{max(m['peak_mib'] for m in mem):.1f}</td>" in row
 
 
+def test_tune_counts_what_a_rank_holds_under_fsdp():
+    """tune's memory phase adds to the plain model's step (weights, gradients, one optimizer
+    state) what the strategy changes: DDP's gradient buckets; under FSDP a rank's own rows of
+    the three instead of all of them (FSDP2 shards dim 0 as torch.chunk does: counted here
+    from the model), and the largest block's weights and gradients, gathered."""
+    from types import SimpleNamespace
+
+    from ddpflow.engine.memory import model_extra
+    from ddpflow.seams.models import SmallCNN
+
+    model = SmallCNN(10)
+    blocks = [b for b in model.features if isinstance(b, nn.Sequential)]
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    two = SimpleNamespace(world=2, backend="gloo")
+    assert model_extra(model, blocks, two, "ddp") == whole
+    held = max(sum(torch.chunk(torch.empty(p.shape), 2)[rank].numel() * 4
+                   for p in model.parameters()) for rank in (0, 1))
+    gathered = max(sum(p.numel() * 4 for p in b.parameters()) for b in blocks)
+    assert model_extra(model, blocks, two, "fsdp") == 3 * held - 3 * whole + 2 * gathered
+
+
 @pytest.mark.slow
 def test_tune_measures_an_fsdp_stage_as_it_trains(tmp_path):
     """tune's trials wrap the model as the stage trains it (checkpointed blocks, FSDP): no
-    channels_last (FSDP2 shards contiguous parameters only), no fp16; its memory phase counts
-    a rank's shard of the weights, gradients and optimizer state."""
-    from types import SimpleNamespace
-
-    from ddpflow.engine.tune import model_extra
-
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
-    blocks = list(model.children())
-    whole = sum(p.numel() * 4 for p in model.parameters())
-    two = SimpleNamespace(world=2, backend="gloo")
-    assert model_extra(model, blocks, two, "ddp") == whole  # DDP's gradient buckets
-    # a rank holds half of the weights, gradients and momentum, and gathers one block
-    assert model_extra(model, blocks, two, "fsdp") == int(-1.5 * whole + 2 * whole / 8) < 0
-
+    channels_last (FSDP2 shards contiguous parameters only), no fp16."""
     root = tmp_path / "tune"
     p = setup_run(root, {**FSDP_STAGE, "batch_size": "auto", "precision": "auto",
                          "channels_last": "auto"},
@@ -196,6 +318,38 @@ def test_fsdp_halted_resumes_on_the_same_fewer_and_more_ranks(straight, tmp_path
     got = seen(more / "trace")
     assert all(sorted(got[e]) == sorted(want[e]) for e in (0, 1))
     same_weights(final(ref), final(more), exact=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,left", [
+    # rank 0 killed between the folder's rename and its sidecar: the folder is all there
+    # but its write did not finish; resuming it would trust what nothing verified
+    ("after-rename", "skipping checkpoint ckpt-000000016.dcp: no checksum file"),
+    # every rank killed with half of its shard file on disk: the temp folder is left
+    ("mid-shard", "removing unfinished checkpoint write .ckpt-000000016.dcp.tmp"),
+])
+def test_a_rank_killed_in_a_sharded_write_resumes_from_the_good_one(straight, tmp_path, fault,
+                                                                     left):
+    """A real SIGKILL inside the step-16 checkpoint's write (shardedckpt.py's test hook
+    DDPFLOW_FAULT, in torchrun's first attempt only): torchrun restarts the group, which
+    resumes from step 8, the newest checkpoint that verifies, to the uninterrupted run's
+    weights bit for bit."""
+    ref, _ = straight
+    root = tmp_path / fault
+    setup_run(root, FSDP_STAGE)
+    proc = ddpflow("launch", "--config", root / "config.yaml", "--stage", "s1",
+                   env={"DDPFLOW_FAULT": f"{fault}:16"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exitcode: -9" in proc.stderr, proc.stderr[-3000:]  # the kill really happened
+    resumed = re.findall(r"resumed from (ckpt-\d+\.dcp)", proc.stderr)
+    assert resumed == ["ckpt-000000008.dcp"], proc.stderr[-3000:]
+    assert left in proc.stderr, proc.stderr[-3000:]
+    same_weights(final(ref), final(root), exact=True)
+    ckdir = stage_dir(root) / "checkpoints"
+    assert not list(ckdir.glob(".ckpt-*"))  # nothing half-written is left behind
+    from ddpflow.engine import checkpoint
+
+    assert all(checkpoint.verify_folder(p) is None for _, p in checkpoint.list_checkpoints(ckdir))
 
 
 @pytest.mark.slow

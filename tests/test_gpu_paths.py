@@ -57,28 +57,29 @@ class _SlowScalar:
 
 
 def test_a_log_interval_reads_the_clock_after_the_sync(monkeypatch):
-    from ddpflow.engine import train
     from ddpflow.engine.distributed import Dist
-    from ddpflow.engine.runtime import StopPoll
+    from ddpflow.engine.intervals import IntervalLogger
+    from ddpflow.engine.state import TrainState
 
     seen = {}
-    monkeypatch.setattr(train, "interval_record",
-                        lambda s, setup, per_rank, dt, *a, **k: seen.setdefault("dt", dt) and {})
-    t = train.Trainer.__new__(train.Trainer)
-    t.state = train.TrainState(step=10, loss_count=5)
-    t.d = Dist(0, 0, 1, torch.device("cpu"), None)
+    setup = SimpleNamespace(devices=[torch.device("cpu")], total_steps=100)
+    log = type("Log", (), {"write": lambda self, r: r})()
+    logger = IntervalLogger(setup, every=5, start_step=10, name="s", log=log, is_master=True)
+    line = {"step": 10, "epoch": 0, "loss": 0.3, "lr": 0.1, "samples_per_s": 1.0,
+            "data_wait_fraction": 0.0}
+    monkeypatch.setattr(logger, "record",
+                        lambda s, per_rank, dt, **k: seen.setdefault("dt", dt) and line)
+    logger.restart()
+    logger.steps = 5
     # the interval's work "still queued" when the line starts
-    t.counters = SimpleNamespace(loss_sum=_SlowScalar(0.3), bad_steps=lambda: (-1, -1),
-                                 skipped=torch.tensor(0))
-    t.fixed, t.flops_per_micro, t.first_interval, t.t_start = None, 1.0, True, 0.0
-    t.sched = SimpleNamespace(get_last_lr=lambda: [0.1])
-    t.gpu = SimpleNamespace(interval=lambda: (None, None))
-    t.scaler = SimpleNamespace(is_enabled=lambda: False)
-    t.interval = [time.perf_counter(), 0.0, 5]
-    t.log = type("Log", (), {"write": lambda self, r: None})()
-    t.bar = type("Bar", (), {"set_postfix": lambda self, **k: None, "disable": False})()
-    t.stop_poll = StopPoll(60, 10)
-    assert t.log_interval() is False
+    counters = SimpleNamespace(loss_sum=_SlowScalar(0.3), bad_steps=lambda: (-1, -1),
+                               skipped=torch.tensor(0))
+    said = logger.write(TrainState(step=10, loss_count=5), counters,
+                        Dist(0, 0, 1, torch.device("cpu"), None),
+                        SimpleNamespace(get_last_lr=lambda: [0.1]),
+                        SimpleNamespace(is_enabled=lambda: False), 1.0, 0.0)
+    logger.close()
+    assert not said.stop_asked and not said.bad_steps
     assert seen["dt"] >= 0.3  # the wait for the queued work is inside the interval
 
 
@@ -930,9 +931,8 @@ def _tune_probe(tmp_path, monkeypatch):
     """A `ddpflow tune` rank's Probe on one CPU process over a small in-memory split, with
     each candidate's timed steps stubbed out (what is counted here is built before them)."""
     from ddpflow.config import from_dict
-    from ddpflow.engine import tunephases
+    from ddpflow.engine import throughput, tune
     from ddpflow.engine.distributed import Dist
-    from ddpflow.engine.tunepace import Pace
     from ddpflow.seams.models import build_model
 
     cfg = from_dict(tiny_config(tmp_path, tune={"steps": 1}))
@@ -943,9 +943,10 @@ def _tune_probe(tmp_path, monkeypatch):
     meta = {"mean": [0.5] * 3, "std": [0.25] * 3, "image_shape": [16, 16, 3],
             "num_classes": 10}
     base = build_model(cfg.model, 10, 3)
-    monkeypatch.setattr(tunephases, "_throughput", lambda *a, **k: (100.0, 0.0))
-    return tunephases.Probe(cfg, cfg.stages[0], d, meta, images, labels, 3, base, 2**40, 0,
-                            Pace(d, 600, climb_by_throughput=False))
+    monkeypatch.setattr(throughput, "micro_step", lambda *a, **k: torch.tensor(1.0))
+    monkeypatch.setattr(throughput, "update", lambda *a, **k: None)
+    return tune.Probe(cfg, cfg.stages[0], d, meta, images, labels, 3, base, 2**40, 0,
+                      tune.Pace(d, 600, climb_by_throughput=False))
 
 
 def test_one_tune_uploads_the_device_dataset_once_and_empties_the_cache_between_candidates(
@@ -957,12 +958,12 @@ def test_one_tune_uploads_the_device_dataset_once_and_empties_the_cache_between_
     allocator's cache emptied (torch.cuda.empty_cache and gc.collect are stand-ins here:
     release() is given a "cuda" device)."""
     from ddpflow.data import loaders, resident
-    from ddpflow.engine import tunephases
+    from ddpflow.engine import throughput, tune
 
     p = _tune_probe(tmp_path, monkeypatch)
     events, held = [], []
-    real_upload, real_release, real_measure = (resident.upload, tunephases.release,
-                                               tunephases.Probe.measure)
+    real_upload, real_release, real_measure = (resident.upload, throughput.release,
+                                               tune.Probe.measure)
     real_init = loaders.TrainBatches.__init__
 
     def init(tb, *a, **k):
@@ -980,12 +981,12 @@ def test_one_tune_uploads_the_device_dataset_once_and_empties_the_cache_between_
 
     monkeypatch.setattr(loaders.TrainBatches, "__init__", init)
     monkeypatch.setattr(resident, "upload", upload)
-    monkeypatch.setattr(tunephases.Probe, "measure", measure)
+    monkeypatch.setattr(tune.Probe, "measure", measure)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    monkeypatch.setattr(tunephases.gc, "collect", lambda: events.append("collect"))
-    monkeypatch.setattr(tunephases, "release",
+    monkeypatch.setattr(throughput.gc, "collect", lambda: events.append("collect"))
+    monkeypatch.setattr(throughput, "release",
                         lambda device: real_release(SimpleNamespace(type="cuda")))
-    tunephases.choose(p, 16, "fp32", True)
+    tune.choose(p, 16, "fp32", True)
     measured = [e for e in events if e.startswith("measure")]
     assert len(measured) >= 10 and "measure device" in measured
     assert events.count("upload") == 1 and p.uploads == 1
@@ -1003,7 +1004,7 @@ def test_one_tune_uploads_the_device_dataset_once_and_empties_the_cache_between_
     (900.0, 1000.0, "bf16"),
 ])
 def test_fp16_is_chosen_over_bf16_only_when_more_than_10_percent_faster(fp16, bf16, chosen):
-    from ddpflow.engine.tunephases import FP16_MARGIN, pick_precision_row
+    from ddpflow.engine.tune import FP16_MARGIN, pick_precision_row
 
     assert FP16_MARGIN == 1.10
     rows = [{"precision": "fp32", "channels_last": False, "samples_per_s": 500.0},
@@ -1047,14 +1048,14 @@ def test_progressive_resizing_crops_once_at_the_epochs_size(monkeypatch):
     """The random resized crop went to image_size and mixing.resize then resampled that
     again to the epoch's size (two resamplings, double blur). Now the crop is asked for the
     epoch's size itself, and nothing resamples after it."""
-    from ddpflow.config import Augment
+    from ddpflow.config.types import AugmentCfg
 
-    rrc = Augment(0, True, 0, {"scale": [0.3, 1.0], "ratio": [0.75, 1.33]})
+    rrc = AugmentCfg(0, True, 0, {"scale": [0.3, 1.0], "ratio": [0.75, 1.33]})
     xs, calls = _batches(rrc, lambda epoch: 12, monkeypatch)
     assert [tuple(x.shape) for x in xs] == [(8, 3, 12, 12)] * 2
     assert calls == [("crop", 12)] * 2  # one resampling a batch: no interpolate after it
     # pad-and-crop then the centre crop: one antialiased resampling, to the epoch's size
-    xs, calls = _batches(Augment(2, True, 0), lambda epoch: 12, monkeypatch)
+    xs, calls = _batches(AugmentCfg(2, True, 0, None), lambda epoch: 12, monkeypatch)
     assert [tuple(x.shape) for x in xs] == [(8, 3, 12, 12)] * 2
     assert calls == [("interpolate", (round(12 / 0.875),) * 2)] * 2
 

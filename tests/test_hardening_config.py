@@ -5,8 +5,11 @@ an MLflow store the installed mlflow can never log to is refused at validation."
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -199,12 +202,33 @@ def _mutated(base: dict, path: tuple, action: str, value) -> dict:
 
 
 def _config_or_user_error(fn, *args):
-    try:
-        out = fn(*args)
-    except UserError as e:
-        assert str(e).strip() and "\n" not in str(e).strip().split("\n")[0]
-        return None
-    return out
+    """fn(*args), or None where it raises a UserError, run where the `ddpflow` command runs
+    its subcommands (cli._main), so the error is reported the way a user sees it: exactly
+    one line on stderr ('ddpflow: error: ' and the message), no traceback, exit code 2."""
+    from ddpflow import cli
+
+    result, raised = [], []
+
+    def run(argv):
+        try:
+            result.append(fn(*args))
+        except UserError as e:
+            raised.append(e)
+            raise
+        return 0
+
+    err = io.StringIO()
+    with mock.patch.object(cli, "run", run), contextlib.redirect_stderr(err):
+        rc = cli._main([])
+    text = err.getvalue()
+    if not raised:
+        assert rc == 0 and text == "", (rc, text)
+        return result[0]
+    assert rc == 2, (rc, text)
+    assert text.startswith("ddpflow: error: ") and text.endswith("\n"), text
+    assert text.count("\n") == 1 and "\r" not in text, f"not one line on stderr:\n{text}"
+    assert "Traceback" not in text and text[len("ddpflow: error: "):].strip(), text
+    return None
 
 
 @PROPERTY
@@ -218,6 +242,7 @@ def test_a_mutated_config_is_a_config_or_one_user_error(path, action, value):
 @PROPERTY
 @given(raw=st.dictionaries(st.sampled_from(sorted(FULL)) | st.text(max_size=8), JSON,
                            max_size=6) | JSON)
+@example(raw={"\r": None})  # found: an unknown key's line break printed as it is
 def test_any_yaml_value_is_a_config_or_one_user_error(raw):
     out = _config_or_user_error(from_dict, raw)
     assert out is None or isinstance(out, Config)
@@ -301,6 +326,8 @@ OVERRIDES = st.lists(NEAR_OVERRIDE, max_size=2) | st.lists(WILD_OVERRIDE, max_si
 @given(overrides=OVERRIDES)
 @example(overrides=["stages.².lr=0.1"])  # found: '²'.isdigit() but int('²') raises
 @example(overrides=["seed=" + "[" * 1500])
+@example(overrides=["a..b=- x\n- y"])  # found: the refused text printed with its line break
+@example(overrides=["stages.\n.lr=1"])
 def test_set_overrides_are_a_config_or_one_user_error(overrides):
     out = _config_or_user_error(lambda: from_dict(apply_overrides(BASE, overrides)))
     assert out is None or isinstance(out, Config)
@@ -383,19 +410,36 @@ def test_a_database_or_databricks_without_its_package(tmp_path, monkeypatch):
     assert _mlflow_error(tmp_path, "postgresql+otherdriver://u@h/db") is None  # not ours to know
 
 
-@pytest.mark.parametrize("uri", ["mlruns", "sqlite:rel.db"])
-def test_the_check_agrees_with_the_installed_mlflow(tmp_path, monkeypatch, uri):
+# (uri, MLFLOW_ALLOW_FILE_STORE, what mlflow raises when it refuses that store: module,
+# exception class, words of its message)
+FILE_STORE = ("mlflow.exceptions", "MlflowException", "filesystem tracking backend")
+MLFLOW_AGREES = [
+    ("mlruns", None, FILE_STORE),  # refused by mlflow >= 3.13
+    ("mlruns", "true", FILE_STORE),  # opted into: opened
+    ("sqlite:rel.db", None, ("sqlalchemy.exc", "ArgumentError", "Could not parse SQLAlchemy URL")),
+]
+
+
+@pytest.mark.parametrize("uri, allow, refusal", MLFLOW_AGREES)
+def test_the_check_agrees_with_the_installed_mlflow(tmp_path, monkeypatch, uri, allow, refusal):
     """What validation accepts, the mlflow installed here opens; what it refuses, mlflow
-    refuses when the client is made (no server involved)."""
+    refuses when the client is made (no server involved), with the error it raises for that
+    refusal: any other error (an ImportError, a typo here) fails the test."""
+    import importlib
+
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    accepted = _mlflow_error(tmp_path, uri) is None
-    try:
+    if allow is None:
+        monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", allow)
+    if _mlflow_error(tmp_path, uri) is None:  # accepted: mlflow opens it, any error fails
         MlflowClient(tracking_uri=uri).search_experiments()
-        opened = True
-    except Exception:  # noqa: BLE001 - whatever mlflow raises: it cannot log there
-        opened = False
-    assert accepted == opened, (uri, accepted, opened)
+        return
+    module, name, words = refusal
+    with pytest.raises(getattr(importlib.import_module(module), name), match=words) as e:
+        MlflowClient(tracking_uri=uri).search_experiments()
+    if name == "MlflowException":  # the refusal itself, not any other mlflow error
+        assert e.value.error_code == "INVALID_PARAMETER_VALUE", e.value.error_code

@@ -127,12 +127,16 @@ def test_accepted_slurm_values_reach_sbatch_as_separate_options(tmp_path, extra)
 
 
 # sinfo -h -N -o '%P|%N|%c|%m|%G' of a cluster: a small GPU node and a big one in gpu (the
-# default partition), two CPU nodes in cpu, and an 8-GPU node of 2 TB in big
+# default partition), two CPU nodes in cpu, an 8-GPU node of 2 TB in big, and in mixed three
+# nodes of different sizes, the largest (m2) neither first nor last
 SINFO = """gpu*|g1|16|120000|gpu:a100:4(S:0-1)
 gpu*|g2|64|500000|gpu:a100:4(S:0-1)
 cpu|c1|32|64000|(null)
 cpu|c2|32|64000|(null)
 big|b1|128|2000000|gpu:h100:8
+mixed|m1|32|256000|gpu:4
+mixed|m2|64|1000000|gpu:a100:4,gpu:h100:4
+mixed|m3|16|128000|gpu:2
 """
 
 
@@ -150,7 +154,7 @@ def test_sinfo_gres_fields_give_the_gpus_of_a_node():
     assert [gres_gpus(g) for g in ("gpu:2", "gpu:a100:4(S:0-1)", "gpu:a:2,gpu:b:2",
                                    "(null)", "shard:8", "mps:100,gpu:1")] == [2, 4, 4, 0, 0, 1]
     parts, default = parse_sinfo(SINFO)
-    assert default == "gpu" and sorted(parts) == ["big", "cpu", "gpu"]
+    assert default == "gpu" and sorted(parts) == ["big", "cpu", "gpu", "mixed"]
     assert [(n.name, n.cpus, n.mem_mb, n.gpus) for n in parts["gpu"]] == [
         ("g1", 16, 120000, 4), ("g2", 64, 500000, 4)]
 
@@ -192,14 +196,55 @@ def test_slurm_sizes_without_sinfo_and_of_sweeps_and_several_nodes(tmp_path):
      "partition gpu has 64; set slurm.cpus_per_gpu to at most 16"),
     ({"partition": "cpu", "gpus": 0, "cpus": 48},
      "slurm.cpus is 48 but the largest node of partition cpu has 32 cores"),
+    # mixed: just above its largest node (m2), each size
+    ({"partition": "mixed", "mem_mb": 1000001},
+     "slurm.mem_mb is 1000001 MiB but the largest node of partition mixed has 1000000 MiB "
+     "(m2); set slurm.mem_mb to at most 1000000, or null"),
+    ({"partition": "mixed", "gpus": 2, "cpus_per_gpu": 33},
+     "slurm.cpus_per_gpu 33 x 2 GPU(s) per node is 66 cores but the largest node of "
+     "partition mixed has 64; set slurm.cpus_per_gpu to at most 32"),
+    ({"partition": "mixed", "gpus": 0, "cpus": 65},
+     "slurm.cpus is 65 but the largest node of partition mixed has 64 cores"),
+    ({"partition": "mixed", "gpus": 9},
+     "slurm.gpus asks for 9 GPU(s) per node but the largest node of partition mixed has 8 "
+     "(m2); ask for at most 8 GPU(s) a node"),
+    ({"partition": "mixed", "gres": "gpu:9"},
+     "slurm.gres asks for 9 GPU(s) per node but the largest node of partition mixed has 8"),
+    ({"partition": "gpu,mixed", "gpus": 9}, "the largest node of partition gpu,mixed has 8"),
 ])
 def test_a_slurm_size_no_node_has_is_one_message(tmp_path, slurm, words):
     with pytest.raises(UserError) as e:
         _sized(tmp_path, slurm=slurm)
     assert str(e.value).startswith("invalid config: ") and words in str(e.value), e.value
+    assert "\n" not in str(e.value) and str(e.value).count("largest node") == 1, e.value
     # the same size without a named partition (a local run where sinfo is) is not refused
     _sized(tmp_path, slurm={k: v for k, v in slurm.items() if k != "partition"},
            found=({"gpu": []}, "gpu"))
+
+
+@pytest.mark.parametrize("slurm, top, want", [
+    # between the smallest node of mixed (m3) and the largest (m2): some node takes it
+    ({"mem_mb": 200000}, {}, {"mem_mb": 200000}),
+    ({"gpus": 2, "cpus_per_gpu": 12}, {}, {"cpus_per_gpu": 12}),  # 24 cores: m1, m2
+    ({"gpus": 0, "cpus": 40}, {}, {"cpus": 40}),
+    ({"gpus": 4}, {}, {"gpus": 4}),  # m1, m2
+    ({"gres": "gpu:4"}, {}, {"gres": "gpu:4"}),
+    ({"gpus": 8}, {"hardware": {"nodes": 2, "nproc_per_node": 2}}, {"gpus": 8}),  # 4 a node
+    # exactly the largest node (m2): only it takes it
+    ({"mem_mb": 1000000}, {}, {"mem_mb": 1000000}),
+    ({"gpus": 2, "cpus_per_gpu": 32}, {}, {"cpus_per_gpu": 32}),  # 64 cores
+    ({"gpus": 0, "cpus": 64}, {}, {"cpus": 64}),
+    ({"gpus": 8}, {}, {"gpus": 8}),
+    ({"gres": "gpu:h100:8", "cpus_per_gpu": 8, "mem_mb": 1000000}, {},
+     {"gres": "gpu:h100:8", "cpus_per_gpu": 8, "mem_mb": 1000000}),
+    ({"gpus": 8, "cpus_per_gpu": 8}, {"sweep": {"grid": {"seed": [0, 1]}, "gpus_per_trial": 8}},
+     {"cpus_per_gpu": 8}),
+])
+def test_a_slurm_size_some_node_has_is_asked_for_as_it_is(tmp_path, slurm, top, want):
+    """Sizes the smallest node lacks but a larger one has are the user's to ask for: sbatch
+    finds that node (a check against the smallest, or the first listed, would refuse)."""
+    s = _sized(tmp_path, slurm={"partition": "mixed", **slurm}, **top)
+    assert {k: s[k] for k in want} == want, s
 
 
 def test_validate_prints_the_slurm_sizes_it_derives(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from ddpflow.config import from_dict
 from ddpflow.core import reading
 from ddpflow.core.errors import UserError
 from ddpflow.data import prepared
-from ddpflow.engine.tune import load_choice
+from ddpflow.engine.settings import load_choice
 from ddpflow.inference.predict import load_bundle
 from ddpflow.results.summary import read_summary
 from ddpflow.sweeps.plan import read_plan, trial_config_path

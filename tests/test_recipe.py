@@ -74,6 +74,9 @@ def _trainer(stop: dict, monitor=("val_acc", "max")):
     """A stage's stop rule and the TrainState its record lives in (what earlystop.check is
     given by the trainer)."""
     state = SimpleNamespace(stop={}, step=0, epoch=0)
+    from ddpflow.config.types import StopCfg
+
+    stop = StopCfg(**{"monitor": None, "patience": None, "target": None, **stop})
     rule = earlystop.stop_rule(stop, "stages.0", SimpleNamespace(maximize=("acc",)),
                                "classification", monitor[0], monitor[1])
     return SimpleNamespace(rule=rule, state=state), []

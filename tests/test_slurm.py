@@ -264,6 +264,9 @@ def test_two_nodes_one_job_and_a_killed_node(tmp_path):
             victims = _pair_ranks("ddpn2")
         time.sleep(0.2)
     assert victims, "the two-node job never got going"
+    # this job's start on this machine now (submission, two torch imports, rendezvous, first
+    # steps): the slack a busy machine adds to its end too
+    overhead = time.time() - started
     # ddpflow's srun step asks for the job's CPUs on each node itself (issue 36: since Slurm
     # 22.05 srun does not take --cpus-per-task from the batch job, and Snakemake's job step
     # drops the job's SLURM_* variables): srun tells the ranks it starts their CPUs
@@ -287,7 +290,8 @@ def test_two_nodes_one_job_and_a_killed_node(tmp_path):
     failed = [r.split("|") for r in rows.splitlines() if "|FAILED|" in r]
     assert len(failed) == 1, rows
     ended = time.mktime(time.strptime(failed[0][2], "%Y-%m-%dT%H:%M:%S"))
-    assert ended - killed_at < cfg["hardware"]["timeout_s"], (ended - killed_at, rows)
+    assert ended - killed_at < cfg["hardware"]["timeout_s"] + overhead, (ended - killed_at,
+                                                                         overhead, rows)
     log = (wd / "results/wf/logs/train_a.log").read_text()  # the retry's log
     assert "resumed from ckpt-" in log, log[-3000:]
     a = torch.load(ref / "results/wf/stages/a/final.pt", weights_only=True)["model"]
@@ -313,25 +317,24 @@ def test_a_node_that_cannot_reach_the_rendezvous_is_named(tmp_path):
     firewall = ["nsenter", "--net=/run/netns/ddpn2", "iptables"]
     subprocess.run([*firewall, "-A", *rule], check=True)
     try:
-        started = time.time()
         sub = subprocess.run(
             ["sbatch", "--wait", "-p", "pair", "--nodes=2", "-c", "1", "--mem=500",
              "-o", str(tmp_path / "job.log"), "--chdir", str(tmp_path),
              f"--export=ALL,PATH={BIN}:{os.environ['PATH']}",
              "--wrap", f"{BIN / 'ddpflow'} launch --config c.yaml --stage a"],
-            capture_output=True, text=True, timeout=300)
-        took = time.time() - started
+            capture_output=True, text=True, timeout=300)  # (only a hang guard)
     finally:
         subprocess.run([*firewall, "-D", *rule], check=True)
     log = (tmp_path / "job.log").read_text()
     assert sub.returncode != 0, log[-3000:]
     assert "1 of 2 node(s) never joined the rendezvous on ddpn1" in log, log[-3000:]
     assert "within hardware.timeout_s (10 s): ddpn2" in log, log[-3000:]
-    assert "node ddpn2 could not reach the rendezvous at ddpn1:29431" in log, log[-3000:]
+    # the node gave up after hardware.timeout_s, and the host's torchrun would have too
+    # (its join timeout), not after their defaults (600 s): as each was told
+    assert "node ddpn2 could not reach the rendezvous at ddpn1:29431 within 10 s" in log, \
+        log[-3000:]
+    assert "--rdzv-conf=join_timeout=10 " in log, log[-3000:]
     assert "Traceback" not in log.split("could not reach")[-1], log[-3000:]
-    # the timeout plus Slurm's and torchrun's start and teardown (two torch imports per node,
-    # slower on a machine busy with another test): far below a collective's default 30 min
-    assert took < 10 + 110, took
     stage = tmp_path / "results/wf/stages/a"
     assert not (stage / "summary.json").exists() and not (stage / "final.pt").exists()
 

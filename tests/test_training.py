@@ -45,7 +45,7 @@ def test_two_ranks_train_in_sync_on_disjoint_halves(tmp_path):
     ddpflow("launch", "--config", p, "--stage", "s1", check=True,
             env={"DDPFLOW_SAMPLE_TRACE": str(trace)})
     s = summary(tmp_path, "s1")
-    from ddpflow.engine.runtime import cpu_has_fast_bf16
+    from ddpflow.engine.settings import cpu_has_fast_bf16
 
     assert s["world_size"] == 2 and s["backend"] == "gloo"
     assert s["precision"] == ("bf16" if cpu_has_fast_bf16() else "fp32")  # precision: auto
@@ -232,7 +232,7 @@ def test_precision_auto_on_a_cpu_follows_the_bf16_override(monkeypatch, forced, 
     """DDPFLOW_CPU_BF16 runs the suite as on the other kind of CPU (native bf16 or not)."""
     import torch
 
-    from ddpflow.engine.runtime import pick_precision
+    from ddpflow.engine.settings import pick_precision
 
     monkeypatch.setenv("DDPFLOW_CPU_BF16", forced)
     assert pick_precision("auto", torch.device("cpu")) == want

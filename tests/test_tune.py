@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 
 import pytest
 
 from conftest import ddpflow, tiny_config, write_config
-from ddpflow.engine.stepmemory import find_max_batch
+from ddpflow.engine.memory import find_max_batch
 
 
 @pytest.mark.parametrize("cap", [1, 3, 5, 37, 100, 256, 257, 511, 4096])
@@ -107,8 +109,7 @@ def test_a_capped_rank_never_tries_what_does_not_fit(tmp_path):
 
     from ddpflow.config import load_config
     from ddpflow.data import prepared
-    from ddpflow.engine import distributed, tune, tunephases
-    from ddpflow.engine.tunepace import Pace
+    from ddpflow.engine import distributed, tune
     from ddpflow.seams.models import build_model
 
     cfg = tiny_config(tmp_path, data={"train_size": 4096, "val_size": 256, "test_size": 0,
@@ -139,12 +140,12 @@ def test_a_capped_rank_never_tries_what_does_not_fit(tmp_path):
     meta, arrays = prepared.load(c.data_dir)
     d = distributed.Dist(0, 0, 1, torch.device("cpu"), None)
     base = build_model(c.model, meta["num_classes"], 3)
-    probe = tunephases.Probe(c, c.stage("s1"), d, meta, *arrays["train"], 3, base, 10**12, 0,
-                             Pace(d, budget_s=600, climb_by_throughput=False))
+    probe = tune.Probe(c, c.stage("s1"), d, meta, *arrays["train"], 3, base, 10**12, 0,
+                       tune.Pace(d, budget_s=600, climb_by_throughput=False))
     need = {prec: probe.step_bytes(32, prec, False) for prec in ("fp32", "bf16")}
     assert need["fp32"] > need["bf16"]
     probe.budget = int(np.mean(list(need.values())))
-    rows = tunephases._precisions(probe, 32, {"loader": "dataloader", "num_workers": 0,
+    rows = tune._precisions(probe, 32, {"loader": "dataloader", "num_workers": 0,
                                         "prefetch_factor": 2})
     fits = {(r["precision"], r["channels_last"]): r["fits"] for r in rows}
     assert not fits[("fp32", False)] and not fits[("fp32", True)]
@@ -160,7 +161,6 @@ def test_tune_shows_each_candidate_ends_within_its_budget_and_stops_when_asked(t
     import signal
     import subprocess
     import sys
-    import time
 
     from conftest import REPO
 
@@ -169,16 +169,22 @@ def test_tune_shows_each_candidate_ends_within_its_budget_and_stops_when_asked(t
                       hardware={"nproc_per_node": 1, "threads_per_rank": 2})
     p = write_config(tmp_path, cfg)
     ddpflow("prepare", "--config", p, check=True)
-    t0 = time.monotonic()
     proc = ddpflow("tune", "--config", p, check=True, timeout=300)
-    took = time.monotonic() - t0
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[tune")]
+    lines = [(float(m[1]), m[2]) for ln in proc.stderr.splitlines()
+             if (m := re.match(r"\[tune +([\d.]+) s\] (.*)", ln))]
     t = json.loads((tmp_path / "results/t/tune.json").read_text())
     tried = [b for r in t["batch_search"]["per_rank"] for b, _ in r["own_trials"]]
     assert max(tried) < 4096  # the climb ended before max_batch: nothing ran out of memory
-    assert any("a step needs" in ln for ln in lines) and "chose" in lines[-1]
-    assert sum("samples/s" in ln for ln in lines) + len(t["skipped"]) >= 5
-    assert t["seconds"] < 15 + 60 and took < 15 + 120  # the budget, the last candidate, start
+    assert any("a step needs" in msg for _, msg in lines) and "chose" in lines[-1][1]
+    measured = [i for i, (_, msg) in enumerate(lines) if re.search(r"samples/s, data wait", msg)]
+    skipped = [i for i, (_, msg) in enumerate(lines) if msg.endswith("s spent)")]
+    assert len(measured) + len(skipped) >= 5 and len(skipped) == len(t["skipped"])
+    # within its budget, however busy the machine: a candidate is checked in after the line
+    # before it, so each one that ran began before tune.budget_s (by tune's own clock, that
+    # of its lines), and once one was skipped every later one was
+    assert all(lines[i - 1][0] < 15 for i in measured), lines
+    assert not skipped or max(measured, default=-1) < min(skipped), lines
+    assert lines[-1][0] <= t["seconds"]
     before = (tmp_path / "results/t/tune.json").read_bytes()
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         run = subprocess.Popen([sys.executable, "-m", "ddpflow", "tune", "--config", str(p)],
@@ -192,3 +198,83 @@ def test_tune_shows_each_candidate_ends_within_its_budget_and_stops_when_asked(t
         assert run.returncode == code, err
         assert f"tuning stopped by {sig.name}" in err and "Traceback" not in err, err
         assert (tmp_path / "results/t/tune.json").read_bytes() == before
+
+
+def test_a_candidate_never_starts_once_the_budget_is_spent(monkeypatch):
+    """tune.budget_s by a clock the test sets: a candidate checked in before the budget is
+    measured, one after it is skipped and recorded, never run."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddpflow.engine import tune
+
+    now = [100.0]
+    monkeypatch.setattr(tune, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    pace = tune.Pace(SimpleNamespace(backend=None, is_master=False), budget_s=10,
+                     climb_by_throughput=False)
+    ran = []
+    p = SimpleNamespace(pace=pace, d=SimpleNamespace(device=torch.device("cpu")),
+                        measure=lambda *a: ran.append(a) or {"samples_per_s": 1.0,
+                                                             "data_wait_fraction": 0.0})
+    now[0] = 109.9
+    assert tune._measured(p, "batch 8", 8) is not None
+    now[0] = 110.0
+    assert tune._measured(p, "batch 16", 16) is None
+    assert ran == [(8,)] and pace.skipped == ["batch 16"]
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_rank_stops_both_at_the_same_candidate(tmp_path):
+    """SIGTERM to rank 1 alone (not to the launcher, which relays a signal to every rank):
+    the ranks agree (the minimum of each rank's "go on") and both stop before the same
+    candidate; rank 0, never signalled itself, says so; the launcher exits 143 as for its
+    own SIGTERM, writes no tune.json, and no process of the run is left."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from conftest import REPO
+
+    cfg = tiny_config(tmp_path, tune={"budget_s": 15, "max_batch": 4096, "start_batch": 8,
+                                      "steps": 2})  # 2 ranks
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    resolved = str(tmp_path / "results/t/tune/config.json")  # on every rank's command line
+    run = subprocess.Popen([sys.executable, "-m", "ddpflow", "tune", "--config", str(p)],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    head = []
+    try:
+        for line in run.stderr:  # the first candidate's line: both ranks are measuring
+            head.append(line)
+            if line.startswith("[tune"):
+                break
+        ranks = {q.environ().get("RANK"): q for q in psutil.Process(run.pid).children(True)
+                 if resolved in q.cmdline()}  # the ranks (and torchrun's agent: no RANK)
+        assert {"0", "1"} <= set(ranks), head
+        ranks["1"].send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            for q in psutil.Process(run.pid).children(True):
+                q.kill()
+    err = "".join(head) + err
+    assert run.returncode == 143, err[-3000:]
+    assert "tuning stopped by SIGTERM" in err and "Traceback" not in err, err[-3000:]
+    stopped = json.loads((tmp_path / "results/t/tune/stopped.json").read_text())
+    (n0, what0), (n1, what1) = stopped["at_per_rank"]
+    assert stopped["signal"] == "SIGTERM" and (n0, what0) == (n1, what1), stopped
+    assert f"SIGTERM received: stopping before {what0}; tune.json is not written" in err
+    assert not (tmp_path / "results/t/tune.json").exists()
+
+    def of_the_run(q: psutil.Process) -> bool:
+        try:
+            return q.status() != psutil.STATUS_ZOMBIE and (
+                str(tmp_path) in " ".join(q.cmdline()) or str(tmp_path) in q.cwd())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+    assert not [q.pid for q in psutil.process_iter() if of_the_run(q)]

@@ -89,6 +89,11 @@ def test_full_run_rerun_and_partial_rerun(wf):
     # a second run has nothing to do
     again = snakemake(wf)
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+    # nor has one after a change to any key the rerun rule leaves out (config/rerun.py)
+    base = {**TINY, "results_dir": ODD_RESULTS}
+    table = {key: planned(snakemake(wf, "-n", config=_changed(wf, base, key, value)))
+             for key, value in left_out_changes(res).items()}
+    assert all(not jobs for jobs in table.values()), table
 
     # a later stage's lr: that stage (and collect) only
     stamp = {p: p.stat().st_mtime_ns for p in (res / "data/meta.json", res / "stages/a/final.pt",
@@ -114,6 +119,37 @@ def test_full_run_rerun_and_partial_rerun(wf):
     write(wf, changed)
     assert planned(snakemake(wf, "-n")) == {"prepare_data": 1, "train": 2, **AFTER, "collect": 1,
                                             "all": 1}
+
+
+# a changed value for a key of each entry of the rule's LEFT_OUT ("where the results live":
+# run and results_dir move every output, so Snakemake has none there: not a rerun)
+MOVES = ("run", "results_dir")
+
+
+def left_out_changes(res: Path) -> dict[str, object]:
+    from ddpflow.config.rerun import LEFT_OUT
+
+    values = {"log_every_steps": 8, "stop_check_s": 30, "checkpoint.keep_last": 5,
+              "sweep.max_trials": 7, "tracking.tensorboard": False, "profile.wait": 3,
+              "slurm.runtime_min": 30, "hardware.slots.threads": 2,
+              "hardware.rdzv_port": 29999, "data.prepared_dir": str((res / "data").resolve())}
+    rows = {key: value for key, value in values.items()
+            if any(key == k or key.startswith(k + ".") for k in LEFT_OUT)}
+    missing = [k for k in LEFT_OUT if k not in MOVES and not any(
+        r == k or r.startswith(k + ".") for r in rows)]
+    assert not missing, f"give the rerun test a changed value for {missing}"
+    return rows
+
+
+def _changed(wf: Path, base: dict, key: str, value) -> str:
+    cfg = json.loads(json.dumps(base))
+    node = cfg
+    *parents, last = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    write(wf, cfg, "changed.yaml")
+    return "changed.yaml"
 
 
 def test_code_and_dockerfile_changes_rerun_what_they_affect(tmp_path):
@@ -234,11 +270,17 @@ def test_a_user_config_is_not_merged_with_the_default(tmp_path):
 
 
 def test_make_run_trains_the_embedded_default(tmp_path):
-    """What `make run` runs (snakemake --cores all on config/config.yaml), end to end."""
-    shutil.copytree(REPO / "config", tmp_path / "config")
+    """`make run` as README.md gives it, in a copy of the project's layout: its set-up step
+    finds the venv installed, then snakemake --cores all trains config/config.yaml end to
+    end."""
+    for name in ("Snakefile", "workflow", "config", "src", "pyproject.toml", "Makefile"):
+        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
-    proc = subprocess.run([str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-d",
-                           str(tmp_path), "--cores", "2"], cwd=tmp_path, env=env,
+    stale = subprocess.run(["make", "-q", ".venv/.ddpflow-installed"], cwd=tmp_path, env=env)
+    if stale.returncode:  # make would reinstall the package from this copy: not in a test
+        pytest.fail("the venv is older than pyproject.toml: run `make install` first")
+    proc = subprocess.run(["make", "run", "CORES=2"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr

@@ -1,5 +1,5 @@
 # Small helpers shared by the files under rules/ (paths, the config file every `ddpflow` call
-# reads, and the parameters that decide what a changed setting reruns).
+# reads; what a changed setting reruns is ddpflow's own rule, HASHES from `validate --json`).
 import json
 import os
 import hashlib
@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-import yaml
 from pathlib import Path
 
 # every value on a shell line built here is quoted by ddpflow's one quoting module (the
@@ -64,7 +63,10 @@ if not (config.get("slurm") or {}).get("partition") and profile_partition():
 # the config as the library resolves it: the checks a schema cannot make (slurm.gres against
 # slurm.gpus, the tracking and container URIs, Slurm sizes against the partition's nodes)
 # and the values it fills in (slurm.gpus, slurm.cpus_per_gpu and slurm.mem_mb from sinfo)
-config.update(yaml.safe_load(ddpflow_stdin("validate").stdout))
+# and what each result depends on: the one rerun rule (config/rerun.py) as each rule's params
+_resolved = json.loads(ddpflow_stdin("validate", "--json").stdout)
+config.update(_resolved["config"])
+HASHES = _resolved["hashes"]
 
 
 RUN = config["run"]
@@ -149,27 +151,6 @@ def data_user_code(cfg=config):
     if d["source"] != "python":
         return ""
     return user_code_version(d["code_dir"] or cfg["model"]["code_dir"])
-
-
-def config_upto(stage, cfg=config):
-    """What a stage's result depends on: everything but the stages after it."""
-    i = [s["name"] for s in cfg["stages"]].index(stage)
-    keep = {
-        k: v
-        for k, v in cfg.items()
-        if k
-        not in (
-            "stages",
-            "slurm",
-            "log_every_steps",
-            "stop_check_s",
-            "checkpoint",
-            "sweep",
-            "tracking",
-            "profile",
-        )
-    }
-    return {**keep, "stages": cfg["stages"][: i + 1]}
 
 
 def stage_inputs(wildcards):
@@ -307,18 +288,6 @@ def image_inputs():
     top = Path(workflow.basedir)
     files = [top / "Dockerfile", top / "pyproject.toml", *PACKAGE.glob("**/*.py")]
     return sorted(str(p) for p in files)
-
-
-LOADER_KEYS = (
-    "loader",
-    "device_memory_fraction",
-    "num_workers",
-    "pin_memory",
-    "persistent_workers",
-    "prefetch_factor",
-    "augment",
-    "prepare_workers",
-)
 
 
 def data_inputs(cfg=config):

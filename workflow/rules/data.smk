@@ -12,8 +12,7 @@ rule prepare_data:
         CONTAINER
     params:
         cfg=WCFG,
-        data={k: v for k, v in config["data"].items() if k not in LOADER_KEYS},
-        seed=config["seed"],
+        data=HASHES["prepare"],  # what the prepared arrays depend on (config/rerun.py)
         files=data_listing(),
         code=code_version("data"),
         user_code=data_user_code(),

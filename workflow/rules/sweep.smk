@@ -69,10 +69,9 @@ if SWEEP:
             **slurm_resources(FIRST),
         params:
             cfg=lambda w: TRIALS[w.trial]["config"],
-            settings=lambda w: config_upto(
-                TCFG[w.trial]["tune"]["stage"] or TRIALS[w.trial]["stages"][0],
-                TCFG[w.trial],
-            ),
+            settings=lambda w: TRIALS[w.trial]["hashes"]["stages"][
+                TCFG[w.trial]["tune"]["stage"] or TRIALS[w.trial]["stages"][0]
+            ],
             tune=lambda w: TCFG[w.trial]["tune"],
             code=code_version(),
         shell:
@@ -101,7 +100,7 @@ if SWEEP:
             **slurm_resources(FIRST),
         params:
             cfg=lambda w: TRIALS[w.trial]["config"],
-            settings=lambda w: config_upto(w.stage, TCFG[w.trial]),
+            settings=lambda w: TRIALS[w.trial]["hashes"]["stages"][w.stage],
             code=code_version(),
             user_code=lambda w: user_code_version(TCFG[w.trial]["model"]["code_dir"]),
             data_code=lambda w: data_user_code(TCFG[w.trial]),

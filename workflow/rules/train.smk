@@ -1,6 +1,7 @@
 # Training: one job per stage, each one `ddpflow launch` = one torchrun with N ranks.
-# A stage reruns when its settings (or any earlier stage's, data, model, hardware),
-# the package code or the image change; later stages follow through their inputs.
+# A stage reruns when what its result depends on changes (its hash from `ddpflow validate
+# --json`: config/rerun.py, the rule ddpflow itself uses), the package code or the image;
+# later stages follow through their inputs.
 
 
 rule train:
@@ -21,7 +22,7 @@ rule train:
         **slurm_resources(),
     params:
         cfg=WCFG,
-        settings=lambda wildcards: config_upto(wildcards.stage),
+        settings=lambda wildcards: HASHES["stages"][wildcards.stage],
         code=code_version(),
         user_code=user_code_version(config["model"]["code_dir"]),
         data_code=data_user_code(),

@@ -18,7 +18,7 @@ rule tune:
         **slurm_resources(),
     params:
         cfg=WCFG,
-        settings=lambda wildcards: config_upto(config["tune"]["stage"] or STAGES[0]),
+        settings=HASHES["stages"][config["tune"]["stage"] or STAGES[0]],
         tune=config["tune"],
         code=code_version(),
     shell:

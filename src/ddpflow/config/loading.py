@@ -1,9 +1,9 @@
 """Load, override and validate a ddpflow config, and build the one typed object (types.py).
 
-The JSON Schema at workflow/schemas/config.schema.yaml is the single source of
-truth for keys, types, ranges and defaults; the Snakefile validates against the
-same file. `load_config` is the only entry point: it validates once and returns a
-`Config` whose `to_dict()` is saved into every checkpoint and summary.
+The JSON Schema at workflow/schemas/config.schema.yaml is the single source of truth for keys,
+types, ranges and defaults (types.py builds the typed sections from it). `load_config` (and
+`from_dict`) is the only entry point: it validates once and returns a `Config` whose
+`to_dict()` is saved into every checkpoint and summary.
 """
 
 from __future__ import annotations
@@ -19,47 +19,10 @@ import yaml
 from ddpflow.config import endpoints
 from ddpflow.config.messages import message
 from ddpflow.config.stagechecks import check_stage_recipe, check_stages
-from ddpflow.config.types import (
-    PACKAGE_ROOT,
-    Augment,
-    CheckpointCfg,
-    Config,
-    ContainerCfg,
-    DataCfg,
-    HardwareCfg,
-    MlflowCfg,
-    ModelCfg,
-    ProfileCfg,
-    SlotsCfg,
-    SlurmCfg,
-    StageCfg,
-    SweepCfg,
-    TaskCfg,
-    TrackingCfg,
-    TuneCfg,
-)
+from ddpflow.config.types import Config, build
+from ddpflow.config.types import schema as _schema  # parsed once (cached)
 from ddpflow.config.yamlfile import read_yaml
 from ddpflow.core.errors import UserError, short
-
-SCHEMA_PATH = PACKAGE_ROOT / "schema" / "config.schema.yaml"
-
-
-# --------------------------------------------------------------------------- validation
-_SCHEMA_CACHE: dict[str, Any] = {}
-
-
-def _schema() -> dict[str, Any]:
-    """The config schema, parsed once per process and file version (a sweep validates every
-    trial's config: parsing the YAML each time cost about 0.1 s per trial). A copy: callers
-    may not change the cached one."""
-    stamp = SCHEMA_PATH.stat().st_mtime_ns
-    if _SCHEMA_CACHE.get("stamp") != stamp:
-        with open(SCHEMA_PATH) as f:
-            _SCHEMA_CACHE.update(stamp=stamp, schema=yaml.load(f, Loader=_LOADER))
-    return copy.deepcopy(_SCHEMA_CACHE["schema"])
-
-
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML has it
 
 
 def _with_defaults(validator_class):
@@ -288,46 +251,13 @@ def _check_sources(d: dict[str, Any]) -> None:
                         f"'{d['data']['source']}' (the folder or archive with the files)")
 
 
-def _names(v):
-    """A YAML list of names as a tuple (a frozen config); true/false/null as they are."""
-    return tuple(v) if isinstance(v, list) else v
-
-
-def _build(d: dict[str, Any]) -> Config:
-    data = dict(d["data"])
-    data["augment"] = Augment(**data["augment"])
-    hw = dict(d["hardware"])
-    hw["devices"] = tuple(hw["devices"]) if hw["devices"] is not None else None
-    hw["slots"] = SlotsCfg(**hw["slots"])
-    sweep = {**d["sweep"], "variants": tuple(d["sweep"]["variants"]),
-             "random": d["sweep"].get("random")}
-    model = {**d["model"], "freeze": tuple(d["model"]["freeze"]),
-             "shard_blocks": _names(d["model"]["shard_blocks"])}
-    stages = [{**s, "freeze": None if s["freeze"] is None else tuple(s["freeze"]),
-               "activation_checkpointing": _names(s["activation_checkpointing"])}
-              for s in d["stages"]]
-    return Config(
-        run=d["run"], results_dir=d["results_dir"], seed=d["seed"],
-        deterministic=d["deterministic"], log_every_steps=d["log_every_steps"],
-        stop_check_s=d["stop_check_s"],
-        data=DataCfg(**data), model=ModelCfg(**model), task=TaskCfg(**d["task"]),
-        hardware=HardwareCfg(**hw),
-        checkpoint=CheckpointCfg(**d["checkpoint"]), container=ContainerCfg(**d["container"]),
-        tune=TuneCfg(**d["tune"]), slurm=SlurmCfg(**d["slurm"]), sweep=SweepCfg(**sweep),
-        tracking=TrackingCfg(d["tracking"]["tensorboard"],
-                             MlflowCfg(**d["tracking"]["mlflow"])),
-        profile=ProfileCfg(**d["profile"]),
-        stages=tuple(StageCfg(**s) for s in stages),
-    )
-
-
 # --------------------------------------------------------------------------- loading
 def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
-        raise UserError(f"--set expects dotted.key=value, got '{text}'")
+        raise UserError(f"--set expects dotted.key=value, got {short(text)}")
     key, value = text.split("=", 1)
-    if not key or any(not p for p in key.split(".")):
-        raise UserError(f"--set expects dotted.key=value, got '{text}'")
+    if not key or any(not p for p in key.split(".")) or not key.isprintable():
+        raise UserError(f"--set expects dotted.key=value, got {short(text)}")
     try:
         parsed = yaml.safe_load(value) if value != "" else ""
     except yaml.YAMLError:
@@ -370,7 +300,7 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
-    return _build(validate(raw))
+    return build(validate(raw))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

@@ -41,7 +41,8 @@ def message(err: jsonschema.ValidationError) -> str:
     if err.validator == "additionalProperties":
         allowed = sorted(err.schema.get("properties", {}))
         extra = sorted(set(err.instance) - set(allowed))
-        names = [str(k)[:40] for k in extra[:5]] + (["..."] if len(extra) > 5 else [])
+        names = [(str(k) if str(k).isprintable() else repr(str(k)))[:40]  # one line
+                 for k in extra[:5]] + (["..."] if len(extra) > 5 else [])
         prefix = "" if where == "(top level)" else where + "."
         shown = names[0] if len(names) == 1 else "{" + ", ".join(names) + "}"
         return f"unknown key {prefix}{shown}; allowed keys here: {', '.join(allowed)}"

@@ -89,6 +89,19 @@ def check_stage_recipe(d: dict[str, Any]) -> None:
                             f"reach lr: set warmup_epochs <= {st['epochs']}")
 
 
+FSDP_FP16 = ("fp16 does not go with strategy fsdp (the GradScaler would skip steps on some "
+             "ranks only)")
+
+
+def check_precision(key: str, strategy: str, precision: str, auto: bool = False) -> None:
+    """The one check of a precision against the strategy: at validation for what the config
+    says, and again where `precision: auto` is resolved on the device (engine/settings.py)."""
+    if strategy == "fsdp" and precision == "fp16":
+        picked = " (what precision auto picks on a GPU without native bf16)" if auto else ""
+        raise UserError(f"{key}.precision: {FSDP_FP16}{picked}; set precision: bf16 or fp32, "
+                        f"or strategy: ddp")
+
+
 def _check_strategy(key: str, st: dict) -> None:
     """What strategy fsdp does not go with, and its own key under another strategy."""
     if st["strategy"] != "fsdp":
@@ -102,11 +115,10 @@ def _check_strategy(key: str, st: dict) -> None:
          "strategy fsdp (each rank holds a shard of them)", "set ema.decay: null"),
         (st["compile"], "compile", "torch.compile is not offered with strategy fsdp yet",
          "set compile: false"),
-        (st["precision"] == "fp16", "precision", "fp16 does not go with strategy fsdp (the "
-         "GradScaler would skip steps on some ranks only)", "set precision: bf16 or fp32"),
         (st["channels_last"] is True, "channels_last", "true does not go with strategy fsdp "
          "(FSDP2 shards contiguous parameters only)",
          "set channels_last: false or auto (off under fsdp)")]
     for clash, name, why, fix in clashes:
         if clash:
             raise UserError(f"{key}.{name}: {why}; {fix}, or strategy: ddp")
+    check_precision(key, st["strategy"], st["precision"])

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ddpflow.config import Augment
+from ddpflow.config.types import AugmentCfg
 from ddpflow.core.errors import UserError
 from ddpflow.core.seeds import seed_sequence
 from ddpflow.data.crops import center_crop, random_resized_crop
@@ -78,7 +78,7 @@ def step_generator(device: torch.device, seed: int, epoch: int, step: int, rank:
     return g
 
 
-def augment(x: torch.Tensor, aug: Augment, g: torch.Generator) -> torch.Tensor:
+def augment(x: torch.Tensor, aug: AugmentCfg, g: torch.Generator) -> torch.Tensor:
     """Random crop with zero padding (+ translate) and horizontal flip of uint8 NHWC images.
 
     Both are one gather: each output pixel's flat source index is computed from the

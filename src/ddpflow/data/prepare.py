@@ -17,27 +17,19 @@ import numpy as np
 from tqdm import tqdm
 
 from ddpflow.config import Config
+from ddpflow.config.rerun import prepare_settings
 from ddpflow.core import locks, reading
 from ddpflow.core.errors import UserError, short
 from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import archives, imagefolder, prepared, splits, synthetic
 from ddpflow.seams.userimport import dir_fingerprint
 
-PREPARE_KEYS = ("source", "path", "image_size", "store_size", "num_classes", "difficulty",
-                "train_size",
-                "val_size", "test_size", "grayscale", "val_fraction", "test_fraction",
-                "max_bad_fraction", "verify_checksum", "encoding", "jpeg_quality", "shard_mb")
-
-
-PYTHON_KEYS = ("factory", "kwargs", "materialize")
-
 
 def settings(cfg: Config) -> dict[str, Any]:
     """The config settings the prepared arrays depend on (the seed draws splits and caps);
     for a user dataset also its factory, arguments and the code folder's fingerprint."""
-    out = {**{f"data.{k}": getattr(cfg.data, k) for k in PREPARE_KEYS}, "seed": cfg.seed}
+    out = prepare_settings(cfg.to_dict())  # the keys: config/rerun.py (the rerun rule)
     if cfg.data.source == "python":
-        out.update({f"data.{k}": getattr(cfg.data, k) for k in PYTHON_KEYS})
         out["data.code_dir (fingerprint)"] = dir_fingerprint(cfg.data_code_dir)
     return out
 

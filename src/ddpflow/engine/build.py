@@ -19,7 +19,8 @@ from ddpflow.data.pipeline import open_pipeline
 from ddpflow.engine import distributed, layout, sharding
 from ddpflow.engine.efficiency import peak_flops, replicas
 from ddpflow.engine.ema import Ema, open_ema
-from ddpflow.engine.runtime import build_optimizer, lr_factor, mixed_precision, schedule
+from ddpflow.engine.runtime import build_optimizer, lr_factor, schedule
+from ddpflow.engine.settings import mixed_precision
 from ddpflow.engine.state import StageSetup
 from ddpflow.engine.weights import start_weights
 from ddpflow.results.provenance import init_source
@@ -168,15 +169,16 @@ def optimizer_parts(model, st, global_batch: int, steps_per_epoch: int, total_st
     return (lr, opt, sched, *mixed_precision(precision, device))
 
 
-def stage_setup(parts: ModelParts, d, st, data, settings, accum: int, global_batch: int,
-                lr: float) -> StageSetup:
-    """The choices made in setup, frozen for the log lines and summary.json."""
+def stage_setup(parts: ModelParts, d, st, data, settings, accum: int, lr: float,
+                steps_per_epoch: int, total_steps: int) -> StageSetup:
+    """The choices made in setup, frozen for the loop, the log lines and summary.json."""
     model, plain = parts.model, unwrap(parts.model)
     devices = ([torch.device("cuda", i) for i in model.device_ids]
                if replicas(model) > 1 else [d.device])  # DataParallel: all its GPUs count
     return StageSetup(
         batch_size=settings.batch_size, accum=accum, world=d.world, device=d.device,
-        backend=d.backend, global_batch=global_batch,
+        backend=d.backend, global_batch=settings.batch_size * d.world * accum,
+        steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         precision=settings.precision, strategy=st.strategy,
         wrapper="FSDP" if parts.sharding else type(model).__name__ if model is not plain
         else None, sharding=parts.sharding, checkpointed=len(parts.checkpointed),

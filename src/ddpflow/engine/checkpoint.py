@@ -135,7 +135,7 @@ class HostCopy:
                 or buf.stride() != t.stride()):
             pin = t.device.type == "cuda"
             # in the tensor's own layout (channels_last stays channels_last): a resumed
-            # optimizer's state must match its parameters' strides (saver.restore)
+            # optimizer's state must match its parameters' strides (resume.restore)
             buf = torch.empty_like(t, device="cpu", pin_memory=pin)
             self.buffers[key] = buf
         return buf.copy_(t, non_blocking=t.device.type == "cuda")

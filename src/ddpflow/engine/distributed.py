@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpflow.config import HardwareCfg
+from ddpflow.config.types import HardwareCfg
 from ddpflow.core.errors import UserError
 from ddpflow.core.seeds import seed_sequence
 

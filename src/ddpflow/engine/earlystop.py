@@ -35,16 +35,15 @@ class StopRule:
     task_name: str
 
 
-def stop_rule(stop: dict, where: str, task, task_name: str, monitor: str,
+def stop_rule(stop, where: str, task, task_name: str, monitor: str,
               mode: str) -> StopRule | None:
     """The rule of `stages[].stop` (None when neither patience nor target is set); the
     monitor is best.pt's (`monitor`, `mode`) unless stop.monitor names another metric."""
-    if stop.get("patience") is None and stop.get("target") is None:
+    if stop.patience is None and stop.target is None:
         return None
-    name = stop.get("monitor")
-    if name and name != monitor:
-        monitor, mode = name, metric_mode(name, task, "auto")
-    return StopRule(monitor, mode, stop.get("patience"), stop.get("target"), where, task_name)
+    if stop.monitor and stop.monitor != monitor:
+        monitor, mode = stop.monitor, metric_mode(stop.monitor, task, "auto")
+    return StopRule(monitor, mode, stop.patience, stop.target, where, task_name)
 
 
 def check(rule: StopRule | None, so_far: dict, metrics: dict, at: dict) -> dict:

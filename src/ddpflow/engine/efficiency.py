@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -175,3 +175,45 @@ class GpuSampler:
     def close(self):
         if self.handles:
             self.stop.set()
+
+
+class FirstSteps:
+    """The trainer's first-step hook: what the first micro-batches measure besides training,
+    so that the step itself carries no instrumentation.
+
+    The first micro-batch (again after a change of image size: `recount`) runs under the
+    FLOP counter, on the uncompiled model (Dynamo does not compile a frame while a dispatch
+    mode is active), with the task's loss checked once; DataParallel's replicas are counted
+    apart (their threads escape the counter). The next one runs under the activation meter
+    (memory.py: what a micro-batch keeps for the backward). From then on a micro-batch
+    is `micro(train_model, batch)` alone. Neither measurement changes what is computed."""
+
+    def __init__(self, model, train_model, checkpointed: list, batch_size: int, micro):
+        self.model, self.train_model = model, train_model
+        self.checkpointed, self.batch_size = checkpointed, batch_size
+        self.micro = micro  # micro(net, batch, check: bool) -> the micro-batch's loss
+        self.flops: int | None = None  # FLOPs of one micro-batch, forward + backward
+        self.activations: dict | None = None  # what one micro-batch keeps (memory.py)
+
+    def recount(self) -> None:
+        self.flops = None
+
+    def __call__(self, batch):
+        from ddpflow.engine.memory import activation_meter
+        from ddpflow.seams.models import unwrap
+
+        if self.flops is None:
+            n = replicas(self.model)
+            if n > 1:  # DataParallel's threads: counted apart
+                self.flops = replica_flops(unwrap(self.model), batch, self.batch_size, n,
+                                           lambda net, part: self.micro(net, part, False))
+            with FlopCount() if self.flops is None else nullcontext() as counter:
+                loss = self.micro(self.model, batch, True)
+            self.flops = self.flops if counter is None else counter.total
+            return loss
+        if self.activations is None:
+            with activation_meter(self.checkpointed) as measured:
+                loss = self.micro(self.train_model, batch, False)
+            self.activations = measured
+            return loss
+        return self.micro(self.train_model, batch, False)

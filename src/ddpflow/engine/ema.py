@@ -70,6 +70,6 @@ class Ema:
 
 def open_ema(st, model: torch.nn.Module) -> Ema | None:
     """The stage's EMA of `model` (the plain module), or None when stages[].ema is off."""
-    if st.ema.get("decay") is None:
+    if st.ema.decay is None:
         return None
-    return Ema(model, st.ema["decay"], st.ema.get("every_steps", 1))
+    return Ema(model, st.ema.decay, st.ema.every_steps)

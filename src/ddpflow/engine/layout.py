@@ -37,7 +37,7 @@ from ddpflow.core import reading
 from ddpflow.core.writing import write_json_atomic
 from ddpflow.engine import distributed
 from ddpflow.engine.efficiency import untouched
-from ddpflow.engine.runtime import mixed_precision
+from ddpflow.engine.settings import mixed_precision
 from ddpflow.seams.models import forward
 
 

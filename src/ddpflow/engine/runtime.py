@@ -1,5 +1,5 @@
-"""Facts and rules a training run needs that are not the loop itself: the precision
-choice, the LR rule and schedule, memory and environment readings, weight hashes."""
+"""Facts and rules a training run needs that are not the loop itself: the LR rule and
+schedule, the optimizer, memory and environment readings, weight hashes."""
 
 from __future__ import annotations
 
@@ -7,44 +7,10 @@ import hashlib
 import math
 import os
 import resource
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
-
-
-def pick_precision(setting: str, device: torch.device) -> str:
-    """auto = bf16 where the hardware does it natively (Ampere+ GPUs; CPUs with oneDNN's
-    bf16 paths: AVX-512 or AMX), else fp16 on GPUs and fp32 on CPUs. On an AVX2-only CPU
-    bf16 autocast is emulated: a smallcnn step measured 7-8x slower than in fp32."""
-    if setting != "auto":
-        return setting
-    if device.type == "cpu":
-        return "bf16" if cpu_has_fast_bf16() else "fp32"
-    if torch.cuda.is_bf16_supported(including_emulation=False):
-        return "bf16"
-    return "fp16"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """oneDNN's answer; DDPFLOW_CPU_BF16=1 or 0 overrides it (a CPU it misjudges, and a test
-    suite run as on the other kind of CPU)."""
-    forced = os.environ.get("DDPFLOW_CPU_BF16", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # no oneDNN in this build
-        return False
-
-
-def mixed_precision(precision: str, device: torch.device):
-    """(GradScaler, autocast context) for a precision: a scaler only for fp16, autocast off
-    for fp32."""
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    return scaler, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
 
 def lr_factor(rule: str, global_batch: int, reference: int) -> float:
@@ -83,37 +49,6 @@ def build_optimizer(model: nn.Module, st, lr: float, device: torch.device):
         return torch.optim.SGD(groups, lr=lr, momentum=st.momentum,
                                nesterov=st.nesterov and st.momentum > 0, **fused)
     return torch.optim.AdamW(groups, lr=lr, **fused)
-
-
-class StopPoll:
-    """When the ranks next ask each other whether a stop signal arrived: about every
-    `every_s` seconds of training (besides each log boundary), so a signal is answered
-    within about a minute whatever log_every_steps is, without a collective per step.
-    The interval comes from step times all ranks gathered, so every rank computes the same
-    next step and joins the same collective."""
-
-    def __init__(self, every_s: float, start_step: int):
-        self.every_s = every_s
-        self.next = start_step + 1  # the first step: a first measurement of the step time
-
-    def due(self, step: int) -> bool:
-        return step >= self.next
-
-    def seen(self, step: int, step_time_s: float) -> None:
-        self.next = step + max(1, int(self.every_s / max(step_time_s, 1e-9)))
-
-    def poll(self, d, step: int, interval: list) -> bool:
-        """When due, a small collective (a sync point): has any rank been asked to stop?
-        interval: the log interval in progress (start time, data wait, steps)."""
-        if not self.due(step):
-            return False
-        from ddpflow.engine import distributed, stopflag
-
-        t0, _, n = interval
-        per_rank = distributed.all_gather_floats(
-            d, [(time.perf_counter() - t0) / max(n, 1), 1.0 if stopflag.received() else 0.0])
-        self.seen(step, max(r[0] for r in per_rank))
-        return any(r[1] > 0 for r in per_rank)
 
 
 def peak_memory_mib(device: torch.device) -> float:

@@ -13,10 +13,17 @@ checkpoint's, without the tensors). The same rules as checkpoint.py's files:
                 without it, or with a file that does not match, is skipped on resume
 DCP reads the shards back on any number of ranks (resharding them): a requeue onto fewer GPUs
 resumes. best.pt and final.pt hold the whole model, gathered once on rank 0 (`full_model`).
+
+A test hook, DDPFLOW_FAULT=<point>:<step> (tests/test_fsdp.py, never set otherwise), SIGKILLs
+a rank at one point of one step's write, in torchrun's first attempt only (the restarted
+group then resumes): `after-rename` (rank 0: the folder in place, its sidecar not yet
+written), `mid-shard` (each rank in the middle of writing its shard file).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import torch.distributed as dist
@@ -70,7 +77,7 @@ class ShardedWriter:
         distributed.broadcast_buffers(self.d, model)
         # blocks until the shards are copied to host memory; the files come in the thread
         future = dcp.async_save(state_dicts(model, opt), checkpoint_id=str(tmp),
-                                process_group=self.group)
+                                process_group=self.group, storage_writer=_faulty(tmp, step))
         if self.d.is_master:
             self.writer.submit(self._finish, future, tmp, final, state)
         else:
@@ -84,11 +91,62 @@ class ShardedWriter:
         sums = "".join(f"{sha256_of(f)}  {f.relative_to(tmp)}\n"
                        for f in sorted(tmp.rglob("*")) if f.is_file())
         checkpoint.place_folder(tmp, final)
+        if _fault_at("after-rename", int(checkpoint.PATTERN.match(final.name).group(1))):
+            _die()
         checkpoint.write_atomic(Path(str(final) + ".sha256"), sums.encode())
         checkpoint.prune(self.folder, self.keep_last)
 
     def wait(self) -> None:
         self.writer.wait()
+
+
+def _fault_at(point: str, step: int) -> bool:
+    """The test hook (see the top): whether DDPFLOW_FAULT names this point of this write."""
+    return (os.environ.get("DDPFLOW_FAULT") == f"{point}:{step}"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _HalfThenDie:
+    """The test hook's shard stream: half of its first chunk reaches the disk, then the
+    rank is SIGKILLed."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def write(self, data) -> int:
+        self.raw.write(bytes(memoryview(data).cast("B"))[:max(1, len(data) // 2)])
+        self.raw.flush()
+        os.fsync(self.raw.fileno())
+        _die()
+        return 0
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def _faulty(tmp: Path, step: int):
+    """DCP's file writer with the test hook's `mid-shard` stream when DDPFLOW_FAULT asks
+    for it at this step; None (DCP's own writer, as always) otherwise."""
+    if not _fault_at("mid-shard", step):
+        return None
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Dying(FileSystem):
+        @contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                yield _HalfThenDie(stream) if str(path).endswith(".distcp") else stream
+
+    writer = FileSystemWriter(tmp)
+    writer.fs = Dying()
+    return writer
 
 
 def load_shards(path: Path, model, opt) -> None:

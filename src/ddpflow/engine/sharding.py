@@ -11,11 +11,13 @@ parameter, gradient and optimizer state, and gathers one block's parameters at a
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from contextlib import nullcontext
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from ddpflow.core.errors import UserError
@@ -128,9 +130,11 @@ _CHECKPOINTED: dict[type, type] = {}
 class Measure:
     """While `on`, every checkpointed block also measures what it would have kept for the
     backward without checkpointing (one extra forward of the block, its buffers and RNG
-    put back): the memory activation checkpointing saves, for summary.json."""
+    put back): the memory activation checkpointing saves, for summary.json. `kept`: those
+    tensors' storages (SavedBytes' keys; a block's inputs and outputs under the real ones',
+    so that what the rest of the model keeps of them too counts once) -> bytes."""
     on = False
-    saved_bytes = 0
+    kept: dict = {}
 
 
 def _checkpointed_class(cls: type) -> type:
@@ -139,11 +143,19 @@ def _checkpointed_class(cls: type) -> type:
     subclass, so parameter names, state dicts and deepcopies stay as they were."""
     if cls not in _CHECKPOINTED:
         def forward(self, *args, **kwargs):
-            if Measure.on:
-                Measure.saved_bytes += _uncheckpointed_bytes(
-                    super(new, self).forward, self, args, kwargs)
-            return checkpoint(super(new, self).forward, *args, use_reentrant=False,
-                              context_fn=lambda: (nullcontext(), _KeptBuffers(self)), **kwargs)
+            def run():
+                return checkpoint(super(new, self).forward, *args, use_reentrant=False,
+                                  context_fn=lambda: (nullcontext(), _KeptBuffers(self)),
+                                  **kwargs)
+            if not Measure.on:
+                return run()
+            # checkpoint saves the block's inputs for its recompute: counted as the block's
+            # inputs (block_inputs), not among what the rest of the model saved
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                out = run()
+            Measure.kept.update(_uncheckpointed(super(new, self).forward, self, args, kwargs,
+                                                out))
+            return out
         new = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
         _CHECKPOINTED[cls] = new
     return _CHECKPOINTED[cls]
@@ -165,15 +177,32 @@ class _KeptBuffers:
                 b.copy_(kept)
 
 
-def _uncheckpointed_bytes(fn, module: nn.Module, args, kwargs) -> int:
+def _same(t):
+    return t
+
+
+_MEASURES = itertools.count()  # tells apart the inner tensors of one measure from another's
+
+
+def _uncheckpointed(fn, module: nn.Module, args, kwargs, out) -> dict:
+    """What the block's forward keeps for the backward without checkpointing: storage key ->
+    bytes. Its inputs (detached: the same storages) under their own keys, its outputs under
+    the real outputs' (`out`), its inner tensors under keys of this measure alone (their
+    memory is freed here and reused by the next one)."""
     buffers = [b.clone() for b in module.buffers()]
     counted = SavedBytes()
     devices = [a.device for a in args if torch.is_tensor(a) and a.device.type == "cuda"]
     with torch.random.fork_rng(devices=devices), counted, torch.enable_grad():
-        fn(*[a.detach() if torch.is_tensor(a) else a for a in args], **kwargs)
+        again = fn(*[a.detach() if torch.is_tensor(a) else a for a in args], **kwargs)
     for b, saved in zip(module.buffers(), buffers):
         b.copy_(saved)  # BatchNorm's running statistics as if the measure never ran
-    return counted.bytes
+    inputs = {storage_key(a) for a in args if torch.is_tensor(a)}
+    outputs = {storage_key(a): storage_key(b) for a, b in zip(tree_leaves(again),
+                                                               tree_leaves(out))
+               if torch.is_tensor(a) and torch.is_tensor(b)}
+    this = next(_MEASURES)
+    return {key if key in inputs else outputs.get(key, (this, key)): n
+            for key, n in counted.kept.items()}
 
 
 def class_name(m: nn.Module) -> str:
@@ -186,34 +215,41 @@ def checkpoint_blocks(blocks: list[nn.Module]) -> None:
         b.__class__ = _checkpointed_class(type(b))
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    return t.untyped_storage().data_ptr(), t.device
+
+
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes autograd keeps for the backward while active (each storage once), parameters
-    left out (they are held anyway: counted as parameters)."""
+    """What autograd keeps for the backward while active: `kept`, each storage once (its key
+    -> bytes), parameters left out (they are held anyway: counted as parameters)."""
 
     def __init__(self):
-        self.bytes, self.seen = 0, set()
+        self.kept: dict = {}
 
         def pack(t):
             base = t if t._base is None else t._base  # a weight's transpose is a view
             if base.is_leaf and base.requires_grad:  # a parameter (FSDP: a gathered one)
                 return t
-            key = (t.untyped_storage().data_ptr(), t.device)
-            if key not in self.seen and t.untyped_storage().data_ptr():
-                self.seen.add(key)
-                self.bytes += t.untyped_storage().nbytes()
+            if t.untyped_storage().data_ptr():
+                self.kept.setdefault(storage_key(t), t.untyped_storage().nbytes())
             return t
-        super().__init__(pack, lambda t: t)
+        super().__init__(pack, _same)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.kept.values())
 
 
-def block_inputs_bytes(blocks: list[nn.Module]):
-    """Forward pre-hooks that count checkpointed blocks' tensor inputs (what checkpointing
-    keeps of a block), and their handles' remover."""
-    total = [0]
+def block_inputs(blocks: list[nn.Module]):
+    """Forward pre-hooks that note checkpointed blocks' tensor inputs (what checkpointing
+    keeps of a block: storage key -> bytes), and their handles' remover."""
+    kept: dict = {}
 
     def hook(_m, args):
-        total[0] += sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
+        kept.update((storage_key(a), a.untyped_storage().nbytes()) for a in args
+                    if torch.is_tensor(a) and a.untyped_storage().data_ptr())
     handles = [b.register_forward_pre_hook(hook) for b in blocks]
-    return total, lambda: [h.remove() for h in handles]
+    return kept, lambda: [h.remove() for h in handles]
 
 
 # ---------------------------------------------------------------- FSDP
@@ -246,13 +282,3 @@ def shard(model: nn.Module, blocks: list[nn.Module], precision: str,
     # the root's parameters (stem, head) are needed first in the backward: kept gathered
     fully_shard(model, mp_policy=policy, reshard_after_forward=False)
     return f"{len(blocks)} {'/'.join(names)} blocks + root sharded, {how}"
-
-
-def check_precision(strategy: str, precision: str, index: int) -> None:
-    """fp16 needs a GradScaler whose skipped steps every rank agrees on; FSDP's gradients
-    are sharded, so each rank would see only its shards' overflows: not offered."""
-    if strategy == "fsdp" and precision == "fp16":
-        raise UserError(f"stages.{index}.precision: fp16 (what precision auto picks on a GPU "
-                        f"without native bf16) does not go with strategy fsdp: the "
-                        f"GradScaler would skip steps on some ranks only; set precision: bf16 "
-                        f"or fp32, or strategy: ddp")

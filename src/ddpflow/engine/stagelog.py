@@ -1,7 +1,7 @@
-"""What a training stage writes besides checkpoints: the `train` lines of metrics.jsonl
-(one per log interval), best.pt, final.pt, failed.json and summary.json (last, only for a
-finished stage). Each function takes what it writes as arguments (state.py's StageFiles,
-StageSetup and TrainState, and the live figures), never the Trainer."""
+"""What a training stage writes besides checkpoints and its log lines (intervals.py):
+best.pt, final.pt, failed.json and summary.json (last, only for a finished stage). Each
+function takes what it writes as arguments (state.py's StageFiles, StageSetup and
+TrainState, and the live figures), never the Trainer."""
 
 from __future__ import annotations
 
@@ -9,42 +9,11 @@ import os
 import time
 
 from ddpflow.engine import checkpoint, earlystop
-from ddpflow.engine.runtime import environment, peak_memory_mib
+from ddpflow.engine.runtime import environment
 from ddpflow.engine.state import StageEnd, StageFiles, StageSetup, TrainState
 from ddpflow.results.metrics import efficiency_means, read_records
 from ddpflow.results.summary import write_summary
 from ddpflow.results.wallclock import summary_block
-
-
-def interval_record(s: TrainState, setup: StageSetup, per_rank: list, dt: float, wait: float,
-                    n: int, *, loss: float, lr: float, flops_per_micro: float, gpu: tuple,
-                    grad_scale: float | None, skipped: int, warmup: bool,
-                    time_s: float) -> dict:
-    """One log interval of n optimizer steps over dt seconds (wait: blocked on data);
-    per_rank: each rank's (step time, ...); gpu: the sampler's (utilisation, memory)."""
-    world, devices = setup.world, setup.devices
-    per_sample = setup.batch_size * setup.accum * n
-    # all ranks do the same work: rank 0's FLOPs x world = the job's FLOPs
-    flops_s = flops_per_micro * setup.accum * n * world / dt
-    return {
-        "kind": "train", "step": s.step, "epoch": s.epoch, "loss": loss, "lr": lr,
-        "samples_per_s": per_sample * world / dt,
-        "samples_per_s_per_rank": [per_sample / (r[0] * n) for r in per_rank],
-        "compute_samples_per_s": per_sample * world / max(dt - wait, 1e-9),
-        "tflops": flops_s / 1e12,
-        "mfu": flops_s / (setup.peak * world * len(devices)) if setup.peak else None,
-        "gpu_util": gpu[0], "gpu_mem_mib": gpu[1],
-        "step_time_s": dt / n, "step_time_s_per_rank": [r[0] for r in per_rank],
-        "data_wait_fraction": wait / dt, "peak_mem_mib": max(peak_memory_mib(v) for v in devices),
-        "grad_scale": grad_scale, "skipped_steps": skipped, "warmup": warmup, "time_s": time_s}
-
-
-def progress_line(rec: dict, total_steps: int) -> str:
-    """The console's line for one log interval where no progress bar is drawn (a log file,
-    a Snakemake job): step of total, loss, throughput, data wait."""
-    return (f"step {rec['step']}/{total_steps} (epoch {rec['epoch']}): loss {rec['loss']:.4f}, "
-            f"lr {rec['lr']:.3g}, {rec['samples_per_s']:.0f} samples/s, "
-            f"data wait {rec['data_wait_fraction']:.0%}")
 
 
 def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dict, *,
@@ -83,7 +52,7 @@ def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dic
         "world_size": setup.world, "device": setup.device.type, "backend": setup.backend,
         "precision": setup.precision, "strategy": setup.strategy, "wrapper": setup.wrapper,
         "sharding": setup.sharding, "checkpointed_blocks": setup.checkpointed,
-        # MiB per rank by kind (rankmemory.py), rank order; the report shows the largest
+        # MiB per rank by kind (memory.py), rank order; the report shows the largest
         "memory_per_rank": memory or [],
         "batch_size_per_rank": setup.batch_size, "grad_accum_steps": setup.accum,
         "channels_last": setup.channels_last, "layout_reason": setup.layout_reason,
@@ -149,9 +118,9 @@ def write_best(files: StageFiles, model: dict, best: dict, ema: dict | None = No
 
 
 def write_results(files: StageFiles, setup: StageSetup, s: TrainState, end: StageEnd, clock,
-                  log, saver, trackers, say) -> None:
+                  log, checkpointer, trackers, say) -> None:
     """Rank 0 at the stage's end: failed.json, or final.pt and summary.json (only for a
-    finished stage), after the last background save (`saver`); the metrics log closed, the
+    finished stage), after the last background save (`checkpointer`); the metrics log closed, the
     trackers told how it ended."""
     if end.test_metrics:
         log.write({"kind": "test", "step": s.step, "epoch": s.epoch,
@@ -160,7 +129,7 @@ def write_results(files: StageFiles, setup: StageSetup, s: TrainState, end: Stag
     finished = not end.diverged and not end.halted
     final_sha = write_final(files, end.model, end.ema, s.step) if finished else None
     clock.lap("teardown")  # final.pt is written while the last checkpoint is
-    saver.wait()  # the last save is complete before the stage ends or stops
+    checkpointer.wait()  # the last save is complete before the stage ends or stops
     clock.lap("checkpoint")
     if end.diverged:
         write_failure(files, end.diverged, s.step)

@@ -8,9 +8,9 @@
                  loader, wrapper), frozen before the first step, read by the log and summary
     StageEnd     how this process ended (finished, halted, diverged) and its last figures
 
-Collaborators (build.py, saver.py, stagelog.py, validation.py, earlystop.py, layout.py) receive
-these
-and the live values they need as arguments; none of them holds or changes the Trainer.
+Components and collaborators (checkpointer.py, intervals.py, stopcontrol.py, build.py,
+stagelog.py, validation.py, earlystop.py, layout.py) receive these and the live values they
+need as arguments; none of them holds or changes the Trainer.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class StageSetup:
     device: torch.device  # this rank's
     backend: str | None  # the process group's (nccl, gloo), None without one
     global_batch: int  # batch_size x world x accum
+    steps_per_epoch: int  # optimizer steps (whole global batches) per epoch
+    total_steps: int  # optimizer steps of the stage
     precision: str
     strategy: str
     wrapper: str | None  # DistributedDataParallel / FSDP / DataParallel, None: a plain module
@@ -115,4 +117,4 @@ class StageEnd:
     skipped: int  # fp16 steps skipped
     model: dict  # the plain module's state dict
     ema: dict | None  # the EMA's weights, when stages[].ema is on
-    memory: list  # every rank's memory (rankmemory.py), rank order
+    memory: list  # every rank's memory (memory.py), rank order

@@ -3,159 +3,313 @@
 Runs on every rank under torchrun, like training (`ddpflow tune` builds the line):
   1. batch size: the largest per-GPU batch whose training step fits in device memory with
      `tune.memory_margin` to spare (doubling, then bisection; an out-of-memory error is a
-     "does not fit"). The budget is the free memory less what the device loader would hold
-     (the dataset, when it is allowed at all); a step's need counts its input batch and the
-     allocator's reserved peak. Trial steps run on the plain model, so no DDP collective is
-     ever left half-done by an OOM; the ranks then agree on the smallest maximum. Among the
-     powers of two up to that maximum (and the maximum), the batch with the best measured
-     throughput of real DDP steps wins: not simply the largest.
-  2. input pipeline: the device loader (only where `choose_loader` lets the dataset onto the
-     device) vs DataLoader settings (workers, prefetch, pinning), by measured throughput.
-     The device loader's dataset is uploaded once per tune and shared by every candidate;
-     the allocator's cache is released between candidates (tunephases.py).
+     "does not fit"; memory.py measures a step on the plain model, so no DDP collective is
+     ever left half-done by an OOM); the ranks agree on the smallest maximum. Among the
+     powers of two up to it (and it), the batch with the best measured throughput of real
+     training steps wins (throughput.py: the trainer's own model wrapping, optimizer and
+     step), not simply the largest.
+  2. input pipeline: the device loader (where `choose_loader` lets the dataset onto the
+     device; uploaded once and shared by every candidate) vs DataLoader settings (workers,
+     prefetch, pinning), by measured throughput.
   3. precision and layout: fp32 (TF32 on, as training runs it), bf16, fp16 (with its
-     GradScaler); channels_last; torch.compile if asked. fp16 beats bf16 only when more
-     than 10% faster (tunephases.FP16_MARGIN). A candidate whose step does not fit
-     at the chosen batch (fp32 needs about twice bf16's activations) is recorded as such and
-     never run under DDP: an OOM inside DDP would kill the rank.
-The choices are greedy, one after the other, and rank 0's choice of each phase is broadcast,
-so every rank measures the next phase with the same settings and records the same answer.
+     GradScaler); channels_last; torch.compile if asked. fp16 beats bf16 only when more than
+     10% faster (FP16_MARGIN). A candidate whose step does not fit at the chosen batch is
+     recorded as such and never run under DDP: an OOM inside DDP would kill the rank.
+The choices are greedy, one after the other; rank 0's choice of each phase is broadcast, so
+every rank measures the next phase with the same settings and records the same answer.
+`Pace` ends the search early: on a CPU nothing runs out of memory, so a search that only
+stops at an OOM would climb toward `tune.max_batch` (over 20 minutes on two cores). The time
+budget (`tune.budget_s`: candidates left are skipped, recorded, and the best measured so far
+wins), throughput that stops improving as the batch doubles (a CPU without --memory-cap-mb)
+and a stop signal (to the launcher or to one rank alone: `TuneStopped` on every rank before
+the same candidate, nothing written but rank 0's <run>/tune/stopped.json for the launcher)
+end it; every such decision is agreed across the ranks, so their collectives stay in step.
 Every measurement and the choice go into <run>/tune.json; stages with batch_size: auto,
-precision: auto and data.loader: auto use it.
+precision: auto and data.loader: auto use it (settings.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
-from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from ddpflow.config import Config, StageCfg
-from ddpflow.core import reading
+from ddpflow.config import Config
+from ddpflow.config.types import StageCfg
 from ddpflow.core.errors import UserError
 from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import prepared
-from ddpflow.data.loaders import choose_loader
-from ddpflow.data.prepare import settings_fingerprint
-from ddpflow.engine import distributed, sharding
+from ddpflow.data.loaders import BadSamples, choose_loader
+from ddpflow.data.resident import resident_split
+from ddpflow.engine import distributed, memory, settings, sharding, stopflag, throughput
 from ddpflow.engine.build import model_blocks
-from ddpflow.engine.runtime import pick_precision
-from ddpflow.engine.stepmemory import (
-    memory_budget,
-)
-from ddpflow.engine.tunepace import Pace, TuneStopped
-from ddpflow.engine.tunephases import Probe, all_min, choose, search_batch
 from ddpflow.seams.contract import probe
 from ddpflow.seams.models import build_model, input_channels
 
+STOPPED = "stopped.json"  # in <run>/tune: the ranks stopped on a signal (TuneStopped)
 
-def tune_path(cfg: Config) -> Path:
-    return cfg.run_dir / "tune.json"
-
-
-def tune_settings(cfg: Config, st: StageCfg) -> dict:
-    """What a measurement depends on besides the choices it makes: a stage with other
-    settings must not take a tune.json measured for these."""
-    hw = cfg.hardware
-    return {"model.name": cfg.model.name, "data": settings_fingerprint(cfg),
-            "data.augment": dataclasses.asdict(cfg.data.augment),
-            "hardware": [hw.device, hw.nproc_per_node, hw.devices, hw.threads_per_rank,
-                         hw.nodes],
-            "optimizer": st.optimizer, "strategy": st.strategy,
-            "activation_checkpointing": (list(st.activation_checkpointing) if isinstance(
-                st.activation_checkpointing, tuple) else st.activation_checkpointing),
-            "grad_accum_steps": st.grad_accum_steps}
+GAIN = 1.05  # a doubled batch must be this much faster per sample to keep climbing
 
 
-# tune.json as its readers use it (core/reading.py validates it before any field is used)
-TUNE_SCHEMA = {
-    "type": "object", "required": ["choice"],
-    "properties": {
-        "settings": {"type": ["object", "null"]},
-        "choice": {"type": "object",
-                   "required": ["batch_size", "loader", "num_workers", "prefetch_factor",
-                                "precision", "channels_last", "compile"],
-                   "properties": {
-                       "batch_size": {"type": "integer", "minimum": 1},
-                       "loader": {"enum": ["device", "dataloader"]},
-                       "num_workers": {"type": "integer", "minimum": 0, "maximum": 1024},
-                       "prefetch_factor": {"type": ["integer", "null"], "minimum": 1},
-                       "precision": {"enum": ["bf16", "fp16", "fp32"]},
-                       "channels_last": {"type": "boolean"},
-                       "compile": {"type": "boolean"}}}}}
+
+class TuneStopped(Exception):
+    """A stop signal reached the ranks while they measured: nothing is written. `signal`:
+    the first any rank received; `at`: per rank, (checks made, the candidate it was about
+    to run): the same on every rank."""
+
+    def __init__(self, signal: str, at: list):
+        super().__init__(signal)
+        self.signal, self.at = signal, at
 
 
-def load_choice(cfg: Config, st: StageCfg) -> tuple[dict | None, str | None]:
-    """(tune.json's choice, None) when it was measured for this stage's settings;
-    (None, why not) when it exists but was measured for others or is damaged (the reason
-    names the file and field: the caller refuses when it needs the file, else warns);
-    (None, None) without one."""
-    try:
-        t = reading.read_json_if_present(tune_path(cfg), TUNE_SCHEMA, "ddpflow tune's result",
-                                         "run `ddpflow tune` again")
-    except UserError as e:
-        return None, str(e)
-    if t is None:
-        return None, None
-    choice = t["choice"]
-    want = tune_settings(cfg, st)
-    got = t.get("settings") or {}
-    differ = [k for k in want if got.get(k) != want[k]]
-    if differ:
-        return None, (f"{tune_path(cfg)} was measured for other settings "
-                      f"({', '.join(differ)}); run `ddpflow tune` again")
-    return choice, None
+
+class Pace:
+    def __init__(self, d, budget_s: float, climb_by_throughput: bool):
+        self.d, self.budget_s, self.climb = d, budget_s, climb_by_throughput
+        self.t0 = time.monotonic()
+        self.best_rate: dict[int, float] = {}  # batch -> samples/s of its memory trial
+        self.skipped: list[str] = []
+        self.checks = 0  # candidates this rank checked in with (check)
+
+    def say(self, msg: str) -> None:
+        if self.d.is_master:
+            print(f"[tune {time.monotonic() - self.t0:6.1f} s] {msg}", file=sys.stderr,
+                  flush=True)
+
+    def _agreed(self, go_on: bool) -> bool:
+        """Whether every rank goes on (one small collective: a sync point)."""
+        if not self.d.backend:
+            return go_on
+        t = torch.tensor([int(go_on)], dtype=torch.int64, device=self.d.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def check(self, what: str = "the batch search's next batch") -> bool:
+        """Before a candidate (`what`): raises TuneStopped on a stop signal (any rank's, told
+        to every rank); False once the budget is spent (the candidate is skipped)."""
+        self.checks += 1
+        if not self._agreed(stopflag.received() is None):
+            said = distributed.gather_objects(self.d, (stopflag.received(), self.checks, what))
+            raise TuneStopped(next((s for s, _, _ in said if s), "a stop signal"),
+                              [[n, w] for _, n, w in said])
+        return self._agreed(time.monotonic() - self.t0 < self.budget_s)
+
+    def skip(self, what: str) -> None:
+        self.skipped.append(what)
+        self.say(f"{what}: skipped (tune.budget_s {self.budget_s:g} s spent)")
+
+    def keeps_climbing(self, batch: int, step_s: float | None) -> bool:
+        """After a batch fits in memory: whether the search doubles it again (agreed)."""
+        go_on = True
+        if self.climb and step_s:
+            rate = batch / step_s
+            self.best_rate[batch] = rate
+            before = self.best_rate.get(batch // 2)
+            if before is not None and rate < GAIN * before:
+                go_on = False
+                self.say(f"batch {batch}: {rate:.0f} samples/s, not {GAIN:.2f}x batch "
+                         f"{batch // 2}'s {before:.0f}: larger batches are not searched")
+        return self._agreed(go_on) and self.check()
+
+
+
+def all_min(d, value: int) -> int:
+    if not d.backend:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+
+# fp16 is chosen over bf16 only when more than 10% faster: it needs a GradScaler and its
+# narrow range skips steps on overflow, while a few timed steps differ by several percent
+# from run to run (noise is no reason to take the riskier format)
+FP16_MARGIN = 1.10
+
+
+
+def pick_precision_row(rows: list[dict]) -> dict:
+    """The fastest of the measured precision rows, except that fp16 wins over bf16 only by
+    more than FP16_MARGIN (then bf16's fastest row instead)."""
+    best = max(rows, key=lambda r: r["samples_per_s"])
+    bf16 = [r for r in rows if r["precision"] == "bf16"]
+    if best["precision"] == "fp16" and bf16:
+        rival = max(bf16, key=lambda r: r["samples_per_s"])
+        if best["samples_per_s"] <= FP16_MARGIN * rival["samples_per_s"]:
+            return rival
+    return best
+
 
 
 @dataclasses.dataclass
-class StageSettings:
-    batch_size: int  # per rank
-    precision: str  # bf16 | fp16 | fp32
-    channels_last: bool | str  # "auto": decided once the model is built (layout.py)
-    compile: bool
-    tuned: dict | None  # tune.json's choice when it was used
+class Probe:
+    """What every measurement of one `ddpflow tune` rank shares."""
+    cfg: Config
+    st: StageCfg
+    d: distributed.Dist
+    meta: dict
+    images: object  # the prepared training split (memmap)
+    labels: object
+    in_ch: int
+    base: nn.Module  # the plain model of the memory trials
+    budget: int  # bytes one training step may take on this rank
+    extra: int  # bytes per step besides the plain model's (DDP's gradient buckets)
+    pace: Pace  # the time budget, stop signals, the progress lines
+    last_step_s: float | None = None  # seconds of the last memory trial's step
+    resident: tuple | None = None  # the device loader's (images, labels), uploaded once
+    uploads: int = 0  # how often the training split went to the device (once at most)
+
+    @property
+    def layout(self) -> bool:
+        """channels_last for the batch and loader phases (auto: as a GPU would train)."""
+        cl = self.st.channels_last
+        if self.st.strategy == "fsdp":  # FSDP2 shards contiguous parameters only
+            return False
+        return cl if isinstance(cl, bool) else self.d.device.type == "cuda"
+
+    def step_bytes(self, b: int, precision: str, channels_last: bool) -> int | None:
+        """Memory of one step of batch b on the plain model (memory.trial_bytes), or None
+        where it does not fit."""
+        return memory.trial_bytes(self, b, precision, channels_last)
+
+    def fits_everywhere(self, need: int | None) -> bool:
+        return bool(all_min(self.d, int(need is not None)))  # every rank must fit
+
+    def device_data(self) -> tuple:
+        """The training split on the device, uploaded (decoded once per node) at the first
+        candidate that wants it; every later one indexes the same tensors."""
+        if self.resident is None:
+            bad = BadSamples("train", len(self.labels), self.cfg.data.max_bad_fraction,
+                             self.d.rank)
+            self.resident = resident_split(self.images, self.labels, self.d.device, bad)
+            self.uploads += 1
+        return self.resident
+
+    def measure(self, *candidate) -> dict:
+        """Throughput of real training steps with these settings (throughput.measure)."""
+        return throughput.measure(self, *candidate)
 
 
-def stage_settings(cfg: Config, st: StageCfg, device, say) -> StageSettings:
-    """The stage's batch size, precision and layout: its own, or tune.json's for "auto"."""
-    tuned, mismatch = load_choice(cfg, st)
-    batch = st.batch_size
-    if batch == "auto":
-        if tuned is None:
-            raise UserError(f"stages.{cfg.stage_index(st.name)}.batch_size is auto but "
-                            + (mismatch or f"there is no {tune_path(cfg)}; run `ddpflow tune` "
-                               f"first"))
-        batch = tuned["batch_size"]
-    out = StageSettings(batch, st.precision, st.channels_last, st.compile, tuned)
-    if st.precision == "auto" and tuned:
-        out.precision, out.channels_last = tuned["precision"], tuned["channels_last"]
-        # (strategy fsdp: tune measures it uncompiled, see tunephases.measure)
-        out.compile = out.compile or (tuned["compile"] and st.strategy != "fsdp")
-    else:
-        out.precision = pick_precision(st.precision, device)
-        if st.channels_last == "auto" and tuned:  # measured for this stage's settings
-            out.channels_last = tuned["channels_last"]
-    if device.type == "cuda" and out.precision == "fp32":
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32
-        torch.backends.cudnn.allow_tf32 = True
-    if mismatch:
-        say(f"not using tune.json: {mismatch}")
-    return out
+
+def search_batch(p: Probe, precision: str) -> dict:
+    """Phase 1: the largest batch every rank fits, then the fastest candidate up to it."""
+    needs: dict[int, int | None] = {}  # this rank's measured bytes per batch (None = OOM)
+    own: list[tuple[int, bool]] = []  # this rank's own verdicts, before the ranks agree
+
+    def fits(b: int) -> bool:
+        needs[b] = p.step_bytes(b, precision, p.layout)
+        own.append((b, needs[b] is not None))
+        ok = p.fits_everywhere(needs[b])
+        need = f"{needs[b] / 2**20:.0f} MiB" if needs[b] is not None else "too much"
+        p.pace.say(f"batch {b}: a step needs {need} of {p.budget / 2**20:.0f} MiB: "
+                   + ("fits on every rank" if ok else "does not fit"))
+        return ok
+
+    d, tc = p.d, p.cfg.tune
+    # never a batch larger than a rank's share of the data: such an epoch has no batches
+    limit = min(tc.max_batch, len(p.labels) // d.world)
+    if limit < 1:
+        raise UserError(f"the training split ({len(p.labels)} samples) is smaller than the "
+                        f"{d.world} rank(s) that would share it")
+    own_max, trials = memory.find_max_batch(
+        fits, min(tc.start_batch, limit), limit,
+        climb=lambda b: p.pace.keeps_climbing(b, p.last_step_s))
+    agreed = all_min(d, own_max)
+    if agreed < 1:
+        raise UserError("not even a batch of 1 fits in device memory; choose a smaller "
+                        "model or image size")
+    return {"agreed": agreed, "own_max": own_max, "trials": trials, "own": own,
+            "memory": needs}
 
 
-def model_extra(base, blocks: list, d, strategy: str) -> int:
-    """Bytes a rank's step needs beyond the plain model's (weights, gradients, one optimizer
-    state: what stepmemory.step_memory counts). DDP keeps a second copy of the gradients in
-    its buckets; FSDP keeps 1/world of the three, and gathers a block's weights (and its
-    gradients before they are reduce-scattered) at a time."""
-    def size(m) -> int:
-        return sum(q.numel() * q.element_size() for q in m.parameters())
-    if strategy == "fsdp":
-        biggest = max(map(size, blocks)) if blocks else size(base)
-        return int(-3 * size(base) * (1 - 1 / d.world) + 2 * biggest)
-    return size(base) if d.backend else 0
+
+def _measured(p: Probe, what: str, *args) -> dict | None:
+    """One throughput measurement with a progress line, or None when the budget is spent."""
+    if not p.pace.check(what):
+        p.pace.skip(what)
+        return None
+    try:
+        row = p.measure(*args)
+    finally:
+        throughput.release(p.d.device)  # its model, optimizer, batches, cached blocks
+    p.pace.say(f"{what}: {row['samples_per_s']:.0f} samples/s, data wait "
+               f"{row['data_wait_fraction']:.0%}")
+    return row
+
+
+
+def choose(p: Probe, agreed: int, precision: str, device_ok: bool) -> tuple:
+    """Phases 1b-3: the fastest batch up to the agreed maximum, then loader, then precision
+    and layout; each choice rank 0's (broadcast). What the budget left unmeasured is
+    skipped: then the largest fitting batch, the default loader and the stage's precision."""
+    cfg, d = p.cfg, p.d
+    candidates = sorted({b for b in (2 ** k for k in range(20)) if agreed // 8 <= b <= agreed}
+                        | {agreed})
+    default = ("device" if device_ok else "dataloader", cfg.data.num_workers,
+               cfg.data.prefetch_factor)
+    batch_rows = [{"batch_size": b, **row} for b in candidates if (row := _measured(
+        p, f"batch {b}", b, *default, precision, p.layout, False))]
+    # rank 0's choice for every rank: each measured its own throughput
+    batch = distributed.broadcast_object(d, max(
+        batch_rows, key=lambda r: r["samples_per_s"])["batch_size"] if batch_rows else agreed)
+    cores = max(1, len(os.sched_getaffinity(0)) // d.world)
+    loader_opts = ([("device", 0, 2)] if device_ok else []) + [
+        ("dataloader", w, f) for w in sorted({0, 2, cores}) for f in ((2, 4) if w else (2,))]
+    loader_rows = [{"loader": k, "num_workers": w, "prefetch_factor": f, **row}
+                   for k, w, f in loader_opts if (row := _measured(
+                       p, f"batch {batch}, {k} loader, {w} workers, prefetch {f}", batch, k, w,
+                       f, precision, p.layout, False))]
+    best_loader = distributed.broadcast_object(d, max(
+        loader_rows, key=lambda r: r["samples_per_s"]) if loader_rows else dict(
+        zip(("loader", "num_workers", "prefetch_factor"), default)))
+    prec_rows = _precisions(p, batch, best_loader)
+    measured = [r for r in prec_rows if r["fits"] and "samples_per_s" in r]
+    best_prec = distributed.broadcast_object(d, pick_precision_row(measured) if measured else {
+        "precision": precision, "channels_last": p.layout, "compile": False})
+    choice = {"batch_size": batch, "loader": best_loader["loader"],
+              "num_workers": best_loader["num_workers"],
+              "prefetch_factor": best_loader["prefetch_factor"],
+              "precision": best_prec["precision"], "channels_last": best_prec["channels_last"],
+              "compile": best_prec["compile"]}
+    p.pace.say("chose " + ", ".join(f"{k} {v}" for k, v in choice.items())
+               + (f" ({len(p.pace.skipped)} candidate(s) skipped: budget)" if p.pace.skipped
+                  else ""))
+    return choice, batch_rows, loader_rows, prec_rows
+
+
+
+def _precisions(p: Probe, batch: int, loader: dict) -> list[dict]:
+    """Phase 3: each precision x layout (x compile) at the chosen batch; its memory is
+    checked on the plain model first, and one that does not fit on every rank is recorded
+    and never run under DDP (an OOM there kills the rank, and torchrun restarts it into
+    the same OOM)."""
+    # fsdp: no fp16 (stagechecks.py) and no channels_last (FSDP2's parameters are contiguous)
+    fsdp = p.st.strategy == "fsdp"
+    precisions = ["fp32", "bf16"] + ([] if fsdp else ["fp16"])
+    if p.d.device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        precisions.remove("bf16")
+    rows = []
+    for prec in precisions:
+        for cl in (False,) if fsdp else (False, True):
+            need = p.step_bytes(batch, prec, cl)
+            fits = p.fits_everywhere(need)
+            for comp in ((False, True) if p.cfg.tune.compile else (False,)):
+                row = {"precision": prec, "channels_last": cl, "compile": comp, "fits": fits,
+                       "memory_bytes": need}
+                if fits:
+                    row.update(_measured(
+                        p, f"batch {batch}, {prec}, channels_last {cl}, compile {comp}", batch,
+                        loader["loader"], loader["num_workers"], loader["prefetch_factor"], prec,
+                        cl, comp) or {"skipped": "tune.budget_s spent"})
+                rows.append(row)
+    return rows
+
 
 
 def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict | None:
@@ -164,16 +318,15 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     tc = cfg.tune
     d = distributed.setup(cfg.hardware, "always" if st.strategy == "fsdp" else True)
     distributed.seed_everything(cfg.seed, d.rank, deterministic=False)
-    if d.device.type == "cuda":  # fp32 is measured as training runs it: TF32 tensor cores
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    settings.set_backend_flags(d.device, "fp32")  # fp32 is measured as training runs it
     meta, arrays = prepared.load(cfg.data_dir)
     images, labels = arrays["train"]
     in_ch = input_channels(cfg.model.name, meta["image_shape"][2])
-    precision = pick_precision("auto" if st.precision == "auto" else st.precision, d.device)
+    precision = settings.pick_precision(st.precision, d.device)
     base = build_model(cfg.model, meta["num_classes"], in_ch, probe(cfg, meta)).to(d.device)
     checkpointed, blocks = model_blocks(cfg, st, base)
     sharding.checkpoint_blocks(checkpointed)  # the memory trials keep what training keeps
-    free = memory_budget(d, cap_mb)
+    free = memory.memory_budget(d, cap_mb)
     # the device loader only where training would allow it; then the dataset (train and
     # val, as it keeps them) is on the device, and the steps get what is left
     nbytes = sum(a.nbytes for split in ("train", "val") for a in arrays[split])
@@ -181,7 +334,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
                                         cfg.data.device_memory_fraction, free=free)
     device_ok = bool(all_min(d, int(kind == "device")))
     budget = int((free - (nbytes if device_ok else 0)) * (1 - tc.memory_margin))
-    ddp_extra = model_extra(base, blocks, d, st.strategy)
+    ddp_extra = memory.model_extra(base, blocks, d, st.strategy)
     # on a CPU without a cap nothing runs out of memory: throughput ends the climb instead
     pace = Pace(d, tc.budget_s, climb_by_throughput=d.device.type == "cpu" and not cap_mb)
     p = Probe(cfg, st, d, meta, images, labels, in_ch, base, budget, ddp_extra, pace)
@@ -192,7 +345,11 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
         choice, batch_rows, loader_rows, prec_rows = choose(p, agreed, precision, device_ok)
         p.resident = None  # the uploaded dataset is not needed any more
     except TuneStopped as e:  # every rank at the same candidate: nothing is written
-        pace.say(f"{e} received: stopping; tune.json is not written")
+        pace.say(f"{e.signal} received: stopping before {e.at[0][1]}; tune.json is not "
+                 f"written")
+        if d.is_master:  # for the launcher, also when a rank alone was signalled
+            write_json_atomic(cfg.run_dir / "tune" / STOPPED, {"signal": e.signal,
+                                                                "at_per_rank": e.at})
         distributed.teardown(d)
         return None
     gathered = distributed.gather_objects(d, {"rank": d.rank, "max_batch": search["own_max"],
@@ -210,13 +367,12 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
                          "candidates": batch_rows},
         "loader": loader_rows, "precision": prec_rows, "choice": choice,
         "skipped": pace.skipped, "seconds": round(time.monotonic() - pace.t0, 1),
-        "config_hash": cfg.hash, "settings": tune_settings(cfg, st),
+        "config_hash": cfg.hash, "settings": settings.tune_settings(cfg, st),
     }
     # rank 0's measurements in the file, so that every rank records the same answer
     result = distributed.broadcast_object(d, result)
     if d.is_master:
-        write_json_atomic(tune_path(cfg), result)
+        write_json_atomic(settings.tune_path(cfg), result)
     distributed.teardown(d)
     return result
-
 

@@ -106,7 +106,7 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
     check_tracking(cfg)
     lazydynamo.defer()  # the launcher never compiles: seconds saved in the meta-model check
     if st.batch_size == "auto":
-        from ddpflow.engine.tune import load_choice
+        from ddpflow.engine.settings import load_choice
 
         choice, mismatch = load_choice(cfg, st)
         if choice is None:
@@ -251,14 +251,9 @@ def _read_failure(out: Path) -> dict | None:
 def launch(cfg: Config, stage: str, dry_run: bool = False, extra_args: list[str] = (),
            t0: float | None = None, agent: WarmAgent | None = None) -> int:
     """Run one stage; t0 (epoch seconds) is when its command started, for the wall-time
-    split; `agent` a torchrun agent warmed up by the caller (else one is started here, so
-    its start-up overlaps the checks)."""
-    from ddpflow.launch import container
-
+    split; `agent` a torchrun agent warmed up by the caller (procs.warm_agent), or None:
+    torchrun is started here (a dry run, several nodes, a container)."""
     t0 = time.time() if t0 is None else t0
-    local = cfg.container.engine == "none" or os.environ.get(container.IN_CONTAINER)
-    if agent is None and local and not dry_run and cfg.hardware.nodes == 1:
-        agent = WarmAgent()
     try:
         return _launch(cfg, stage, dry_run, extra_args, t0, agent)
     finally:

@@ -147,6 +147,21 @@ class WarmAgent:
         self.cancel()
 
 
+def warm_agent(cfg, dry_run: bool):
+    """The one decision whether a stage's torchrun agent is started ahead: where this
+    process runs torchrun itself on one node (not a dry run, not the container engine's
+    launch, which runs it inside the container). A WarmAgent (a context: unused, it ends
+    having started nothing), or a context giving None."""
+    from contextlib import nullcontext
+
+    from ddpflow.launch.container import IN_CONTAINER
+
+    local = cfg.container.engine == "none" or os.environ.get(IN_CONTAINER)
+    if local and not dry_run and cfg.hardware.nodes == 1:
+        return WarmAgent()
+    return nullcontext()
+
+
 def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
                  agent: WarmAgent | None = None) -> tuple[int, str | None]:
     """Run torchrun; relay stop signals to its ranks; stop the group soon after a

@@ -97,7 +97,7 @@ def resolve(d: dict, found: tuple[dict[str, list[Node]], str | None] | None | st
         cpu_share = FALLBACK_MEM_PER_GPU // FALLBACK_CPUS_PER_GPU
     else:
         if s["partition"]:  # named (by the config, or the workflow from the profile)
-            _check_fits(s, per_node, nodes, s["partition"])
+            _check_fits(s, per_node, nodes, s["partition"], _gpu_key(d))
         cpus_gpu = min(n.cpus // max(n.gpus, per_node, 1) for n in nodes)
         mem_gpu = min(n.mem_mb // max(n.gpus, per_node, 1) for n in nodes)
         cpu_share = min(n.mem_mb // max(n.cpus, 1) for n in nodes)
@@ -127,9 +127,25 @@ def _partition_nodes(partition: str | None, found) -> list[Node]:
     return [n for p in names for n in parts.get(p, [])]
 
 
-def _check_fits(s: dict, per_node: int, nodes: list[Node], part: str) -> None:
+def _gpu_key(d: dict) -> str:
+    """The setting that sets a job's GPUs per node (per_node_gpus), for a message."""
+    if d["slurm"]["gpus"] and any(d["sweep"].get(k) for k in ("grid", "variants", "random")):
+        return "sweep.gpus_per_trial"
+    if d["slurm"]["gres"]:
+        return "slurm.gres"
+    return "slurm.gpus"
+
+
+def _check_fits(s: dict, per_node: int, nodes: list[Node], part: str,
+                gpu_key: str = "slurm.gpus") -> None:
     """One message for a value no node of the partition has room for (sbatch would refuse
-    it: 'Requested node configuration is not available')."""
+    it: 'Requested node configuration is not available'). GPUs only where sinfo lists some
+    (a partition without GPUs is Slurm's to judge)."""
+    gpu_node = max(nodes, key=lambda n: n.gpus)
+    if per_node and 0 < gpu_node.gpus < per_node:
+        raise UserError(f"invalid config: {gpu_key} asks for {per_node} GPU(s) per node but "
+                        f"the largest node of partition {part} has {gpu_node.gpus} "
+                        f"({gpu_node.name}); ask for at most {gpu_node.gpus} GPU(s) a node")
     big = max(nodes, key=lambda n: (n.mem_mb, n.cpus))
     if s["mem_mb"] is not None and s["mem_mb"] > max(n.mem_mb for n in nodes):
         raise UserError(f"invalid config: slurm.mem_mb is {s['mem_mb']} MiB but the largest "

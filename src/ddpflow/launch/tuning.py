@@ -11,9 +11,13 @@ from ddpflow.core.errors import UserError
 from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
+from ddpflow.engine.tune import STOPPED
 from ddpflow.launch.launcher import RANK_ERROR, _read_json, plan
 from ddpflow.launch.procs import run_torchrun
 from ddpflow.launch.slurmnodes import check_slurm_gpus, missing_nodes_text, roll_call_dir
+
+STOPPED_SCHEMA = {"type": "object", "required": ["signal"],
+                  "properties": {"signal": {"type": "string"}}}
 
 
 def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
@@ -37,12 +41,15 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
     with locks.exclusive(out / ".lock", f"tuning of run '{cfg.run}' ({out})"):
         out.mkdir(parents=True, exist_ok=True)
         (out / RANK_ERROR).unlink(missing_ok=True)
+        (out / STOPPED).unlink(missing_ok=True)
         remove_scratch(roll_call_dir(resolved))
         write_json_atomic(resolved, cfg.to_dict())
         rc, stop = run_torchrun(cmd, env, watch=out / RANK_ERROR)
         rank_error = _read_json(out / RANK_ERROR)
         if rank_error:
             raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
+        # a signal to a rank alone (not through this launcher): the ranks stopped all the same
+        stop = stop or (_read_json(out / STOPPED, STOPPED_SCHEMA) or {}).get("signal")
     result = cfg.run_dir / "tune.json"
     if stop:  # the ranks stopped at the same candidate and wrote nothing
         kept = f"the earlier {result} is kept" if result.is_file() else "no tune.json written"
@@ -53,7 +60,7 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
         why = (rc and missing_nodes_text(cfg, out)) or f"torchrun exited with {rc}"
         print(f"ddpflow: error: tuning failed ({why})", file=sys.stderr)
         return rc or 1
-    from ddpflow.engine.tune import TUNE_SCHEMA
+    from ddpflow.engine.settings import TUNE_SCHEMA
 
     choice = reading.read_json(result, TUNE_SCHEMA, "ddpflow tune's result",
                                "run `ddpflow tune` again")["choice"]

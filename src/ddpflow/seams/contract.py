@@ -67,8 +67,15 @@ def describe(x: Any) -> str:
         return f"a {type(x).__name__} of {len(x)}: ({', '.join(map(describe, x[:3]))}" + (
             ", ...)" if len(x) > 3 else ")")
     if isinstance(x, dict):
-        return f"a dict with keys {', '.join(map(str, list(x)[:5]))}"
+        return f"a dict with keys {', '.join(map(_key, list(x)[:5]))}"
     return f"{type(x).__name__} {short(x, 40)}"
+
+
+def _key(k) -> str:
+    """A dict key as a message shows it: as it is, or repr() where it holds a line break or
+    another unprintable character (a message is one line)."""
+    text = str(k)
+    return text if text.isprintable() else repr(text)
 
 
 def _nonfinite(x) -> bool:
@@ -333,17 +340,17 @@ def _fits(builtin: str | None, outputs, y, model: str) -> None:
     width = outputs.shape[1]
     if y.is_floating_point():  # soft targets (mixup, cutmix): a distribution per sample
         if tuple(y.shape) != tuple(outputs.shape):
-            raise UserError(f"the batch's targets are {describe(y)}; the classification task "
-                            f"expects integer class indices [{len(y)}] (or soft targets "
-                            f"[{len(y)}, {width}]) for {model}'s {width} outputs")
+            raise UserError(f"{model}: the batch's targets are {describe(y)}; the "
+                            f"classification task expects integer class indices [{len(y)}] (or "
+                            f"soft targets [{len(y)}, {width}]) for its {width} outputs")
         return
     if y.ndim != 1:
-        raise UserError(f"the batch's targets are {describe(y)}; the classification task "
-                        f"expects one integer class index per sample")
+        raise UserError(f"{model}: the batch's targets are {describe(y)}; the classification "
+                        f"task expects one integer class index per sample")
     lo, hi = int(y.min()), int(y.max())
     if lo < 0 or hi >= width:
-        raise UserError(f"the batch's targets hold class {lo if lo < 0 else hi}, but {model} "
-                        f"returned {describe(outputs)}: {width} outputs per sample; expected "
+        raise UserError(f"{model}: the batch's targets hold class {lo if lo < 0 else hi}, but "
+                        f"it returned {describe(outputs)}: {width} outputs per sample; expected "
                         f"class indices in [0, {width}) (set the model's num_classes to the "
                         f"data's class count)")
 

@@ -313,6 +313,7 @@ def _shown(trial: Trial) -> str:
 # --------------------------------------------------------------------------- writing
 def write_plan(cfg: Config, trials: list[tuple[Trial, dict]]) -> Path:
     """sweep/plan.json and trials/<id>/trial_config.json (rewritten only when changed)."""
+    from ddpflow.config.rerun import hashes
     from ddpflow.core.writing import write_json_atomic, write_text_atomic
 
     rows = []
@@ -324,7 +325,8 @@ def write_plan(cfg: Config, trials: list[tuple[Trial, dict]]) -> Path:
             write_text_atomic(path, text, "a trial's config")
         rows.append({"id": trial.id, "variant": trial.variant, "overrides": trial.overrides,
                      "config": str(path), "prepared_dir": t["data"]["prepared_dir"],
-                     "stages": [s["name"] for s in t["stages"]]})
+                     "stages": [s["name"] for s in t["stages"]],
+                     "hashes": hashes(t)})  # the workflow's rerun params for the trial
     out = cfg.run_dir / "sweep" / "plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     blob = {"run": cfg.run, "trials": rows,
@@ -347,7 +349,8 @@ PLAN_SCHEMA = {
                            "variant": {"type": ["string", "null"]},
                            "overrides": {"type": "object"},
                            "config": _STRING, "prepared_dir": _STRING,
-                           "stages": {"type": "array", "items": _STRING}}}}}}
+                           "stages": {"type": "array", "items": _STRING},
+                           "hashes": {"type": "object"}}}}}}
 PLAN_FIX = "run `ddpflow sweep plan --config ...` again (the workflow does this when it starts)"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ddpflow.config import Config
+from ddpflow.core.writing import write_text_atomic
 
 
 class StepProfiler:
@@ -36,7 +37,7 @@ class StepProfiler:
         prof.export_chrome_trace(str(trace))
         key = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=key, row_limit=10)
-        (self.folder / f"top_ops-rank{self.rank}.txt").write_text(table + "\n")
+        write_text_atomic(self.folder / f"top_ops-rank{self.rank}.txt", table + "\n")
         print(f"ddpflow: rank {self.rank}: profiler trace {trace}\n{table}", file=sys.stderr)
         self.done = True
 
