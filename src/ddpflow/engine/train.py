@@ -312,4 +312,4 @@ def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = Non
         raise mistake from None
 
 
-main = train_stage  # what each torchrun rank runs (cli.py)
+main = train_stage  # what each torchrun rank runs (ddpflow train: cli/)
