@@ -181,14 +181,17 @@ def record(build: Build, tests: list[str], jobs: int) -> tuple[dict, dict, set]:
     return hits, durations, failed
 
 
-def serve(build: Build, plan: list[dict], jobs: int, label: str) -> dict[int, dict]:
-    """Run each mutant of the plan ({id, tests, timeout}); {id: result}."""
+def serve(build: Build, plan: list[dict], jobs: int, label: str,
+          budget_s: float | None = None) -> dict[int, dict]:
+    """Run each mutant of the plan ({id, tests, timeout}); {id: result}. With budget_s, no
+    mutant starts after that many seconds (those left have no result)."""
     if not plan:
         return {}
     folder = Path(tempfile.mkdtemp(dir=build.root, prefix="serve-"))
     out = folder / "results.jsonl"
+    deadline = time.time() + budget_s if budget_s is not None else None
     (folder / "plan.json").write_text(json.dumps({"jobs": jobs, "mutants": plan,
-                                                  "out": str(out)}))
+                                                  "out": str(out), "deadline": deadline}))
     files = sorted({t.split("::")[0] for m in plan for t in m["tests"]})
     cmd = [*PYTEST, f"--mutate-serve={folder / 'plan.json'}", *files]
     print(f"mutate: {label}: {len(plan)} mutants against {len(files)} test files", flush=True)
@@ -450,14 +453,18 @@ def cmd_survivors(a) -> int:
                 continue
             shown += 1
             print(_survivor_text(m, outcome, [t for t, _s in r["tests"]]))
+            if a.yaml:  # an entry to paste into equivalent.yaml, once the reason is written
+                print(f"- function: {f}\n  hash: {r['hash']}\n  mutant: "
+                      f"{json.dumps(mutant_label(m))}\n  why: \n")
     print(f"{shown} survivor(s)")
     return 0
 
 
 def _survivor_text(m: schemata.Mutant, outcome: str, tests: list[str]) -> str:
     ran = ", ".join(tests[:6]) + (f" and {len(tests) - 6} more" if len(tests) > 6 else "")
+    before, after = (m.line_before, m.line_after) if m.line_before else (m.before, m.after)
     return (f"{outcome.upper()}: {m.function} line {m.line} ({m.op}: {m.what}) "
-            f"[mutant {m.ordinal}]\n  - {m.before}\n  + {m.after}\n"
+            f"[mutant {m.ordinal}]\n  - {before.strip()}\n  + {after.strip()}\n"
             f"  tests that ran: {ran or 'none reach it'}\n")
 
 
@@ -545,9 +552,17 @@ def _check_changed(rec, changed, a, problems) -> dict:
     try:
         rec2 = json.loads(json.dumps(rec))
         targets = [m for m in build.mutants.values() if m.function in set(changed)]
+        t0 = time.monotonic()
         hits, durations, failed = record(build, _tests_for(rec, set(changed)), JOBS)
-        results = serve(build, make_plan(targets, hits, durations, failed, BUDGET_S), JOBS,
-                        "changed functions")
+        plan = make_plan(targets, hits, durations, failed, BUDGET_S)
+        left = a.changed_budget - (time.monotonic() - t0)
+        results = serve(build, plan, JOBS, "changed functions", budget_s=max(left, 0.0))
+        unrun = [p["id"] for p in plan if p["id"] not in results]
+        if unrun:
+            problems.append(f"{len(unrun)} mutant(s) of the changed functions did not run "
+                            f"within this check's {a.changed_budget:.0f} s: run `make mutate` "
+                            f"and commit tests/mutation/records.json")
+            return {}
         _store(rec2, build, targets, set(changed), hits, durations, failed, results)
         equiv = equivalent_keys(load_equivalent())
         for f in changed:
@@ -596,9 +611,12 @@ def _check_sample(rec, hashes, by_function, changed, a, problems) -> None:
         index = {(m.function, m.ordinal): m for m in build.mutants.values()}
         plan = [{"id": index[(f, o)].id, "tests": [test], "timeout": 4 * d + 60}
                 for f, o, test, d in picked if (f, o) in index]
-        results = serve(build, plan, JOBS, "a sample of recorded kills, re-run")
+        results = serve(build, plan, JOBS, "a sample of recorded kills, re-run",
+                        budget_s=a.sample_budget)
         for p in plan:
-            r = results.get(p["id"], {})
+            r = results.get(p["id"])
+            if r is None:  # not started within the budget: a smaller sample, not a failure
+                continue
             if r.get("outcome") != "killed":
                 m = build.mutants[p["id"]]
                 problems.append(f"{p['tests'][0]} killed mutant {m.ordinal} of {m.function} "
@@ -624,7 +642,8 @@ def main() -> int:
     c.add_argument("--sample-budget", type=float, default=CHECK_SAMPLE_S)
     sub.add_parser("table", help="the table per module")
     s = sub.add_parser("survivors", help="each survivor with its diff")
-    s.add_argument("module", nargs="*")
+    s.add_argument("module", nargs="*", help="module paths (or prefixes) to show")
+    s.add_argument("--yaml", action="store_true", help="also an equivalent.yaml entry each")
     a = ap.parse_args()
     return {"run": cmd_run, "check": cmd_check, "table": cmd_table,
             "survivors": cmd_survivors}[a.cmd](a)

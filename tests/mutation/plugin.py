@@ -5,7 +5,8 @@
                           process and in every process it starts, are written under DIR;
                           each test's duration goes to DIR/durations-<pid>.json
     --mutate-serve PLAN   run the mutants of PLAN (JSON: jobs, mutants [{id, tests, timeout}],
-                          out) instead of the session: the tests are collected once, then a
+                          out, deadline: epoch seconds after which no mutant starts) instead
+                          of the session: the tests are collected once, then a
                           forked process per mutant switches it on and runs its tests in
                           order, stopping at the first failure; results are appended to out
                           as JSON lines {id, outcome, by, why, seconds}
@@ -84,9 +85,12 @@ class Server:
         out = open(self.plan["out"], "a", buffering=1)
         todo = list(self.plan["mutants"])
         jobs = max(1, int(self.plan.get("jobs", 1)))
+        deadline = self.plan.get("deadline")  # epoch seconds: no new mutant after it
         running: dict[int, tuple] = {}
         try:
             while todo or running:
+                if deadline is not None and time.time() > deadline:
+                    todo = []  # the rest is not run (the caller sees them missing)
                 while todo and len(running) < jobs:
                     m = todo.pop(0)
                     chosen = [items[t] for t in m["tests"] if t in items]

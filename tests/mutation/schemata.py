@@ -60,6 +60,8 @@ class Mutant:
     before: str  # the original source of the site
     after: str  # what the mutant puts there
     id: int = 0  # the switch number in this build (not stable across builds)
+    line_before: str = ""  # the whole source line of a one-line site, and as mutated
+    line_after: str = ""
 
     def describe(self) -> str:
         return f"{self.function}:{self.line} {self.what}"
@@ -307,6 +309,20 @@ def _describe(site: _Site, source: str) -> tuple[str, str]:
     return before, " ".join(ast.unparse(mutated).split())
 
 
+def _line_diff(site: _Site, source: str, after: str) -> tuple[str, str]:
+    """(the source line, the line as the mutant has it) for a site on one line."""
+    node = site.node
+    if site.kind == "handler" or node.lineno != node.end_lineno:
+        return "", ""
+    line = source.splitlines()[node.lineno - 1]
+    raw = line.encode()
+    start = raw[:node.col_offset].decode()
+    if site.kind == "stmt":
+        return line.rstrip(), (start + "pass").rstrip()
+    rest = raw[node.end_col_offset:].decode()
+    return line.rstrip(), (start + after + rest).rstrip()
+
+
 def mutate_module(module: str, source: str, first_id: int = 1) \
         -> tuple[str, list[Mutant], dict[str, str]]:
     """(the module's source with every mutant switched in, its mutants numbered from
@@ -321,9 +337,10 @@ def mutate_module(module: str, source: str, first_id: int = 1) \
         k = ordinals.get(site.function, 0)
         ordinals[site.function] = k + 1
         before, after = _describe(site, source)
+        lb, la = _line_diff(site, source, after)
         mutants.append((site, Mutant(site.function, k, site.op, site.what,
                                      site.node.lineno, before, after,
-                                     first_id + len(mutants))))
+                                     first_id + len(mutants), lb, la)))
     work = ast.parse(source)
     # deepest first: a node is wrapped after everything inside it, so the paths of the
     # pristine tree still lead to it; several mutants of one node nest
