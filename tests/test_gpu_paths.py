@@ -422,22 +422,23 @@ _RESTORE_BODY = """
 from types import SimpleNamespace
 from ddpflow.core.errors import UserError
 from ddpflow.engine import checkpoint, resume
+from ddpflow.engine.checkpointer import Parts
 files = SimpleNamespace(ckpt_dir=__import__("pathlib").Path(sys.argv[1]), resume_key="k")
 model = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 scaler = torch.amp.GradScaler("cpu", enabled=False)
+parts = Parts(model, model, opt, sched, scaler, None, False)
 if d.rank == 1:  # this rank's listing missed the newest checkpoint (a write landing between)
     listing = checkpoint.list_checkpoints
     checkpoint.list_checkpoints = lambda folder: listing(folder)[:-1]
 chosen = resume.choose(files, d)
-saved = resume.restore(chosen, files, d, model, opt, sched, scaler, None, False, 1)
+saved = resume.restore(chosen, files, d, parts, 1)
 out = {"step": saved["step"], "bias": float(model.bias), "file": chosen.path.name}
 if d.rank == 1:  # the file rank 0 chose cannot be read here: every rank stops, one message
     checkpoint.load = lambda p, map_location="cpu": open("/nonexistent/" + p.name, "rb")
 try:
-    resume.restore(resume.choose(files, d), files, d, model, opt, sched, scaler, None, False,
-                   1)
+    resume.restore(resume.choose(files, d), files, d, parts, 1)
 except UserError as e:
     out["error"] = str(e)
 print(json.dumps(out), flush=True)

@@ -77,9 +77,8 @@ class Checkpointer:
         """Every rank: the chosen checkpoint (resume.choose) into the bundle; its TrainState,
         or None for a fresh start. Rank 0 then clears what a killed run left and sets aside
         a stale run's checkpoints (never mixed with this one's)."""
-        p, d = self.parts, self.dist
-        saved = resume.restore(chosen, self.files, d, p.plain, p.opt, p.sched, p.scaler,
-                               p.ema, p.sharded, accum)
+        d = self.dist
+        saved = resume.restore(chosen, self.files, d, self.parts, accum)
         distributed.gather_objects(d, None)  # barrier: every rank has read its checkpoint
         if d.is_master:
             (self.files.out / "failed.json").unlink(missing_ok=True)

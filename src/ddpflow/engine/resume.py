@@ -96,10 +96,10 @@ def layout(chosen: Chosen | None, batch: int, accum: int, world: int, where: str
                     f"afresh")
 
 
-def restore(chosen: Chosen | None, files: StageFiles, d, model, opt, sched, scaler, ema,
-            sharded: bool, accum: int) -> dict | None:
-    """Load `chosen` into the plain module `model` (an FSDP one: its shards), the optimizer,
-    scheduler, scaler, EMA and, on as many ranks as wrote it, this rank's random streams.
+def restore(chosen: Chosen | None, files: StageFiles, d, parts, accum: int) -> dict | None:
+    """Load `chosen` into the bundle `parts` (checkpointer.Parts: the plain module, an FSDP
+    one's shards, optimizer, scheduler, scaler, EMA) and, on as many ranks as wrote it, this
+    rank's random streams.
     Returns the checkpoint's state (for TrainState; its position in the epoch counted in
     this run's `accum` micro-batches per step), or None without one. Ranks that see
     another file than rank 0 did (a write landing between their listings, a folder not
@@ -115,18 +115,18 @@ def restore(chosen: Chosen | None, files: StageFiles, d, model, opt, sched, scal
         raise UserError(f"rank {rank} cannot resume from {chosen.path.name}, the "
                         f"checkpoint rank 0 chose (step {chosen.step}): {problem}; every rank "
                         f"must see the same {files.ckpt_dir} (a shared filesystem)")
-    if sharded:
+    if parts.sharded:
         from ddpflow.engine import shardedckpt
 
-        shardedckpt.load_shards(chosen.path, model, opt)  # a collective: DCP reshards
+        shardedckpt.load_shards(chosen.path, parts.plain, parts.opt)  # a collective: reshards
     else:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        _match_layouts(opt)
-    sched.load_state_dict(saved["scheduler"])
-    scaler.load_state_dict(saved["scaler"])
-    if ema:
-        ema.load(saved["ema"], saved["ema_updates"])
+        parts.plain.load_state_dict(saved["model"])
+        parts.opt.load_state_dict(saved["optimizer"])
+        _match_layouts(parts.opt)
+    parts.sched.load_state_dict(saved["scheduler"])
+    parts.scaler.load_state_dict(saved["scaler"])
+    if parts.ema:
+        parts.ema.load(saved["ema"], saved["ema_updates"])
     if len(saved["rng"]) == d.world:  # other ranks: their streams start from the seed
         distributed.set_rng_state(saved["rng"][d.rank], d.device)
     if chosen.accum and chosen.accum != accum:  # the epoch's steps in this run's micro-batches

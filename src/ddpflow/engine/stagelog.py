@@ -16,12 +16,12 @@ from ddpflow.results.summary import write_summary
 from ddpflow.results.wallclock import summary_block
 
 
-def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dict, *,
-                  test_metrics: dict, final_sha: str | None, train_time_s: float,
-                  flops_per_micro: float | None, skipped: int, weight_hashes: list,
-                  rank_hosts: list, memory: list | None = None) -> dict:
+def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dict,
+                  end: StageEnd, final_sha: str | None) -> dict:
     """summary.json of a finished stage: results, efficiency means, what it ran on, and the
-    record of what it was made from (wall: wallclock.summary_block of all its runs)."""
+    record of what it was made from (wall: wallclock.summary_block of all its runs; end: how
+    this process ended, its figures)."""
+    train_time_s = time.perf_counter() - end.train_t0  # as summary.json is written
     records, problems = read_records(files.out / "metrics.jsonl")
     last_val = [r for r in records if r["kind"] == "val"][-1]
     final = {k: v for k, v in last_val.items() if k.startswith("val_")}
@@ -35,7 +35,7 @@ def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dic
         "best_val_acc": best.get("val_acc"), "best_val_loss": best.get("val_loss"),
         "best_step": s.best.get("step"),
         # the test split, on the weights handed on, after selection: {} = no test split
-        "test_metrics": test_metrics, **test_metrics,
+        "test_metrics": end.test_metrics, **end.test_metrics,
         **earlystop.summary(s.stop),  # early_stop (why, or None), target and time_to_target_s
         "weights": "ema" if setup.ema else "raw",  # what final.pt/best.pt's "model" holds
         "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
@@ -47,27 +47,28 @@ def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dic
                                  "checkpoint stalls, steps after an epoch's last log line, "
                                  "teardown (wall_samples_per_s includes everything)",
         "wall_samples_per_s": wall["samples_per_s"],
-        "flops_per_sample": (flops_per_micro / setup.batch_size if flops_per_micro else None),
+        "flops_per_sample": (end.flops_per_micro / setup.batch_size if end.flops_per_micro
+                             else None),
         "peak_flops_per_gpu": setup.peak, "gpus_per_rank": len(setup.devices),
         "world_size": setup.world, "device": setup.device.type, "backend": setup.backend,
         "precision": setup.precision, "strategy": setup.strategy, "wrapper": setup.wrapper,
         "sharding": setup.sharding, "checkpointed_blocks": setup.checkpointed,
         # MiB per rank by kind (memory.py), rank order; the report shows the largest
-        "memory_per_rank": memory or [],
+        "memory_per_rank": end.memory or [],
         "batch_size_per_rank": setup.batch_size, "grad_accum_steps": setup.accum,
         "channels_last": setup.channels_last, "layout_reason": setup.layout_reason,
         "compile": setup.compile, "tuned": setup.tuned,
         "compiled_graphs": compiled_graphs() if setup.compile else None,  # > 0: it did compile
         "global_batch": setup.global_batch, "lr_effective": setup.lr,
-        "skipped_steps": skipped,
+        "skipped_steps": end.skipped,
         "loader": setup.loader, "loader_reason": setup.loader_reason,
         "init": setup.init,
         "container": os.environ.get("DDPFLOW_IN_CONTAINER"),
         "params": setup.params, "trainable_params": setup.trainable_params,
         "metrics_problems": problems,
-        "rank_weight_sha256": weight_hashes, "rank_hosts": rank_hosts,
+        "rank_weight_sha256": end.weight_hashes, "rank_hosts": end.rank_hosts,
         "environment": environment(setup.device),
-        "weights_in_sync": len(set(weight_hashes)) == 1,
+        "weights_in_sync": len(set(end.weight_hashes)) == 1,
         "config": files.config, "config_hash": files.config_hash,
         "stage_hash": files.stage_hash, "record": files.record,
         "final_sha256": final_sha,
@@ -135,12 +136,8 @@ def write_results(files: StageFiles, setup: StageSetup, s: TrainState, end: Stag
         write_failure(files, end.diverged, s.step)
         say(f"stopped: {end.diverged}")
     elif finished:
-        summary = stage_summary(
-            files, setup, s, wall_block(clock, s, setup.global_batch),
-            test_metrics=end.test_metrics, final_sha=final_sha,
-            train_time_s=time.perf_counter() - end.train_t0,  # as summary.json is written
-            flops_per_micro=end.flops_per_micro, skipped=end.skipped,
-            weight_hashes=end.weight_hashes, rank_hosts=end.rank_hosts, memory=end.memory)
+        summary = stage_summary(files, setup, s, wall_block(clock, s, setup.global_batch), end,
+                                final_sha)
         if trackers:
             trackers.stage_end(files.config, summary["final_metrics"],
                                [files.out / "summary.json", files.out / "metrics.jsonl"])
