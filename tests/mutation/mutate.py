@@ -4,6 +4,7 @@
                                                    since tests/mutation/records.json (make mutate)
     python tests/mutation/mutate.py run --all      every function in scope (hours on 2 cores)
     python tests/mutation/mutate.py run --function engine/checkpoint.py::latest_valid
+    python tests/mutation/mutate.py run --module core/checksum.py
     python tests/mutation/mutate.py check          the CI ratchet (make test): see `check`
     python tests/mutation/mutate.py table          mutants / killed / equivalent / survived
                                                    per module, from the records
@@ -310,11 +311,14 @@ def mutant_label(m: schemata.Mutant) -> str:
 def cmd_run(a) -> int:
     rec = load_records()
     hashes, by_function = current_functions()
-    if a.function:
-        unknown = sorted(set(a.function) - set(hashes))
+    if a.function or a.module:
+        unknown = sorted(set(a.function or ()) - set(hashes))
+        unknown += sorted(m for m in a.module or () if not any(
+            f.startswith(m + "::") for f in hashes))
         if unknown:
-            raise SystemExit(f"mutate: no such function(s) in scope: {unknown}")
-        wanted = set(a.function)
+            raise SystemExit(f"mutate: no such function(s) or module(s) in scope: {unknown}")
+        wanted = set(a.function or ()) | {f for f in hashes
+                                          if f.split("::")[0] in set(a.module or ())}
     elif a.all:
         wanted = set(hashes)
     else:
@@ -633,6 +637,8 @@ def main() -> int:
     r = sub.add_parser("run", help="mutate changed (or --all, or named) functions")
     r.add_argument("--all", action="store_true")
     r.add_argument("--function", action="append", help="module.py::qualname (repeatable)")
+    r.add_argument("--module", action="append", help="every function of module.py "
+                   "(a path under src/ddpflow, repeatable)")
     r.add_argument("--tests", nargs="*", help="test paths to record (default: the tests that "
                    "reached the functions last time, else all)")
     r.add_argument("--jobs", type=int, default=JOBS)
