@@ -234,7 +234,7 @@ def test_fsdp_with_activation_checkpointing_trains_and_reports_its_memory(straig
     html = (root / "results/t/summary/report.html").read_text()
     row = html.split('<table id="memory">')[1].split("</table>")[0]
     assert "<td>s1</td><td>fsdp</td><td>2</td>" in row
-    assert f"<td>{max(m['peak_mib'] for m in mem):.1f}</td>" in row
+    assert f"<td>{max(m['peak_mib'] for m in mem):,.1f}</td>" in row
 
 
 def test_tune_counts_what_a_rank_holds_under_fsdp():
