@@ -73,24 +73,36 @@ def missing_ranks(d, group) -> tuple[list[int] | None, str]:
                                wait_all_ranks=True)
         return [], "monitored_barrier"  # every rank arrived
     except RuntimeError as e:
-        text = str(e)
+        return named_by_barrier(str(e), d.rank)
+
+
+def named_by_barrier(text: str, rank: int) -> tuple[list[int] | None, str]:
+    """The ranks monitored_barrier's error names as missing (rank 0's "Ranks 1, 3 failed to
+    pass monitoredBarrier", another rank's "... from rank 0"), or None and why not."""
     named = NAMED.search(text)
     if named:
-        return sorted(int(r) for r in named.group(1).split(",") if r.strip()), \
-            "monitored_barrier"
-    if d.rank != 0 and FROM_RANK_0.search(text):
-        return [int(FROM_RANK_0.search(text).group(1))], "monitored_barrier"
-    return None, f"monitored_barrier: {text.splitlines()[0][:200]}"
+        return sorted(int(r) for r in named.group(1).split(",")), "monitored_barrier"
+    silent = FROM_RANK_0.search(text)
+    if rank != 0 and silent:
+        return [int(silent.group(1))], "monitored_barrier"
+    return None, f"monitored_barrier named no rank: {error_text(RuntimeError(text))}"
 
 
 def error_text(err: BaseException) -> str:
-    """The error's first line, without gloo's source position ("[.../pair.cc:561] ")."""
+    """The error's first sentence, without gloo's source position ("[.../pair.cc:561] ")
+    and its advice ("This is typically caused by ...")."""
     lines = str(err).strip().splitlines()
     text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
-    return text[:300] or type(err).__name__
+    return text.split(". ")[0][:300] or type(err).__name__
 
 
 def alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        pass
     try:
         os.kill(pid, 0)
         return True

@@ -93,18 +93,22 @@ class HangWatch:
                     kill(b["pid"])
 
 
-def who_missing(vs: dict[int, dict], world: int) -> list[int]:
-    """The ranks that did not arrive: rank 0's monitored_barrier names them; else the other
-    ranks name rank 0 when it did not answer them; with the ranks whose process had ended;
-    else (torch named none) the ranks that reported nothing."""
+def who_missing(vs: dict[int, dict], world: int) -> tuple[list[int], str]:
+    """(the ranks that did not arrive, how they were found): rank 0's monitored_barrier
+    names them, else the other ranks name rank 0 when it did not answer them; with the ranks
+    whose process had ended (their heartbeat's pid); else (none named) the ranks that
+    reported nothing."""
     if 0 in vs and vs[0]["missing"] is not None:
         named = set(vs[0]["missing"])
     else:
         named = {m for v in vs.values() for m in v["missing"] or []}
-    ended = {e for v in vs.values() for e in v["ended"]}
+    ended = {e for v in vs.values() for e in v["ended"]} - named
+    how = (["torch's monitored_barrier"] if named else []) + (
+        ["the heartbeats: its process had ended"] if ended else [])
     if not named and not ended:
         named = {r for r in range(world) if r not in vs}
-    return sorted(named | ended)
+        how = ["the heartbeats: it reported no broken collective"] if named else []
+    return sorted(named | ended), " and ".join(how) or "no rank"
 
 
 def _state(rank: int, beats: dict, vs: dict) -> str:
@@ -123,9 +127,9 @@ def print_stacks(folder: Path, world: int, beats: dict, said=print) -> None:
         path = stack_file(folder, rank)
         try:
             text = reading.read_text(path, "a rank's stack", max_bytes=STACK_MAX_BYTES,
-                                     empty_ok=True)
+                                     empty_ok=True) if path.exists() else ""
         except UserError as e:
-            text = f"(unreadable: {e})\n"
+            text = f"== rank {rank}: its stack file is unreadable: {e}\n"
         if not text.strip():
             b = beats.get(rank, {})
             text = (f"== rank {rank} (host {b.get('host', '?')}, pid {b.get('pid', '?')}): no "
@@ -143,7 +147,7 @@ def report(out: Path, timeout_s: int, said=print) -> str | None:
         return _flight_recorder_only(out, folder)
     world = max(v["world"] for v in vs.values())
     beats, problems = read_heartbeats(folder, world)
-    missing = who_missing(vs, world)
+    missing, how = who_missing(vs, world)
     print_stacks(folder, world, beats, said)
     who = ", ".join(f"rank {r} (host {beats.get(r, {}).get('host', '?')}: "
                     f"{_state(r, beats, vs)})" for r in missing) or "no rank"
@@ -153,13 +157,13 @@ def report(out: Path, timeout_s: int, said=print) -> str | None:
     tool = first.get("stacks", "faulthandler")
     write_json_atomic(Path(out) / REPORT, {
         "missing": missing, "world": world, "timeout_s": timeout_s, "margin_s": HANG_MARGIN_S,
-        "error": first["error"], "found_by": first.get("found_by"), "stacks": tool,
+        "error": first["error"], "found_by": how, "stacks": tool,
         "detected_at": first["detected_at"], "ended_at": time.time(),
         "ranks": [beats.get(r) for r in range(world)], "heartbeat_problems": problems})
-    return (f"a collective did not complete: {who} did not arrive ({first.get('found_by')}); "
-            f"last step completed: {steps}; the others waited up to hardware.timeout_s "
-            f"({timeout_s} s): {first['error'][:160]}; every rank's Python stack "
-            f"({tool}) is in the log and in {folder}"
+    return (f"a collective did not complete: {who} did not arrive (found by {how}); last "
+            f"step completed: {steps}; the ranks that waited (up to hardware.timeout_s, "
+            f"{timeout_s} s) said: {first['error'][:160]}; every rank's Python stack ({tool}) "
+            f"is in the log and in {folder}"
             + (f"; unreadable heartbeats: {'; '.join(problems)}" if problems else ""))
 
 

@@ -4,7 +4,8 @@ grouped by the workflow run (a sweep's trials by the sweep), the stage as its jo
 The run's id is kept in `wandb.json` in the stage folder with the resume key and the last
 step the run was given: a resumed stage (a requeue, a restart, a stop at a checkpoint)
 continues the same run (`resume="allow"`) and logs only what comes after that step, so no
-step is logged twice; a stage that starts afresh gets a new run. With `WANDB_MODE=offline`
+step is logged twice (a hard kill loses what wandb's service had not yet written: a gap,
+never a step twice); a stage that starts afresh gets a new run. With `WANDB_MODE=offline`
 the run is written under `<run>/wandb/` (or WANDB_DIR), an attempt a folder, each with the
 run's id, for `wandb sync` to upload later.
 
@@ -105,16 +106,22 @@ def check(cfg: Config) -> None:
 
 
 def check_folder(folder: Path) -> None:
-    """The folder wandb writes in can be written (made when missing)."""
+    """The folder wandb writes in can be written: it, or the nearest folder above it that
+    exists (nothing is made here; a probe file is made and removed)."""
     where = "WANDB_DIR" if os.environ.get("WANDB_DIR") else "the run folder"
+    place = Path(folder)
+    while not os.path.lexists(place) and place != place.parent:
+        place = place.parent
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".ddpflow-wandb-{secrets.token_hex(3)}"
+        if not place.is_dir():
+            raise NotADirectoryError(20, "a file is where a folder belongs")
+        probe = place / f".ddpflow-wandb-{secrets.token_hex(3)}"
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         probe.unlink()
     except OSError as e:
         raise UserError(f"tracking.wandb: W&B cannot write its run files in {where} {folder} "
-                        f"({e.strerror or e}); set WANDB_DIR to a folder you can write") from None
+                        f"({place}: {e.strerror or e}); set WANDB_DIR to a folder you can "
+                        f"write") from None
 
 
 def check_server(url: str) -> None:
@@ -187,6 +194,9 @@ class WandbStage:
             warn(f"W&B did not open the run of stage {self.stage} ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:300] if str(e) else ''}); it is kept offline in "
                  f"{folder_of(self.cfg) / 'wandb'} for `wandb sync`")
+            import wandb
+
+            wandb.teardown()  # its service still holds the run's id after the failed init
             self.run = self._init("offline")
         self.keep()
 
