@@ -87,14 +87,14 @@ class Model(nn.Module):
 
 
 def user_run(root: Path, data_kwargs: dict, model_kwargs: dict | None = None,
-             hardware: dict | None = None, **extra) -> Path:
+             hardware: dict | None = None, workers: int = 0, **extra) -> Path:
     code = root / "code"
     code.mkdir(parents=True)
     (code / "usercode.py").write_text(USERCODE)
     cfg = tiny_config(
         root, log_every_steps=2,
         data={"source": "python", "factory": "usercode:make", "kwargs": data_kwargs,
-              "code_dir": str(code), "num_workers": 0},
+              "code_dir": str(code), "num_workers": workers},
         model={"name": "usercode:Model", "code_dir": str(code), "kwargs": model_kwargs or {}},
         checkpoint={"every_steps": 0},
         hardware={"nproc_per_node": 2, "threads_per_rank": 1, "max_restarts": 0,
@@ -110,15 +110,17 @@ def stage(root: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_a_rank_blocked_in_user_code_is_named_with_its_step_and_stack(tmp_path):
-    """Rank 1 blocks in the user's __getitem__ for step 5: the job ends non-zero before the
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_rank_blocked_in_user_code_is_named_with_its_step_and_stack(tmp_path, workers):
+    """Rank 1 blocks in the user's __getitem__ for step 5 (in the rank itself, or in its
+    DataLoader worker: a data loader that blocks): the job ends non-zero before the
     launcher's own deadline (timeout_s + HANG_MARGIN_S after the hang began, from the run's
     own events), the error line names rank 1, its host and step 4, and rank 1's stack in
     the log shows the user's function."""
     mark = tmp_path / "blocked_at"
     timeout_s = 10
     p = user_run(tmp_path, {"block_at": 4 * BATCH + 5, "mark": str(mark)},
-                 hardware={"timeout_s": timeout_s})
+                 hardware={"timeout_s": timeout_s}, workers=workers)
     proc = ddpflow("launch", "--config", p, "--stage", "s1")
     err = proc.stderr
     assert proc.returncode not in (0, 75), err[-3000:]
@@ -131,6 +133,8 @@ def test_a_rank_blocked_in_user_code_is_named_with_its_step_and_stack(tmp_path):
     assert f"(up to hardware.timeout_s, {timeout_s} s) said: Timed out waiting" in line[0]
     # every rank's stack is in the log; rank 1's shows the user's function
     rank1 = err.split("== stack of rank 1 ")[1].split("== stack of rank")[0]
+    if workers:  # the worker's stack, after the rank's own
+        rank1 = rank1.split("== its DataLoader worker pid ")[1]
     assert "stuck_in_user_getitem" in rank1 and "__getitem__" in rank1, rank1[:3000]
     assert "== stack of rank 0 " in err
     report = json.loads((stage(tmp_path) / "hang.json").read_text())

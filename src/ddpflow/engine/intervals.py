@@ -44,7 +44,7 @@ class IntervalLogger:
         self.profiler = profiler  # tracking/profiling.py: a trace of a few steps, or None
         self.hosts = hosts or []  # each rank's host, rank order
         self.beat = beat  # heartbeat.Heartbeat of this rank, or None
-        self.compute = ComputeClock(setup.device)  # forward and loss, this rank
+        self.compute = ComputeClock(setup.devices[0])  # forward and loss, this rank
         self.named: set[int] = set()  # the stragglers of the last interval
         self.told: set[int] = set()  # those the console was told of
         self.bar = tqdm(total=self.total, initial=start_step, desc=name, unit="step",
