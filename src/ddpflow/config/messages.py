@@ -63,6 +63,9 @@ def message(err: jsonschema.ValidationError) -> str:
     if err.validator == "pattern" and err.validator_value.startswith("^val_"):
         return (f"{where}: {short(err.instance)} is not a validation metric name: write "
                 f"val_<metric>, e.g. val_loss or val_acc{hint}")
+    if err.validator == "pattern" and err.schema.get("x-refuses"):  # characters a tool refuses
+        return (f"{where}: {short(err.instance)} holds a character that "
+                f"{err.schema['x-refuses']}; choose a name without it{hint}")
     if err.validator == "pattern" and ":" in err.validator_value:
         return (f"{where}: {short(err.instance)} is not an import path: write "
                 f"package.module:callable{hint}")

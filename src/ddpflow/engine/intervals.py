@@ -2,11 +2,13 @@
 
 Every `log_every_steps` optimizer steps (and at the stage's last step) the ranks meet once:
 the interval's loss comes to the host (a sync point) and one collective carries each rank's
-step time, data wait, first bad step and stop flag. Rank 0 writes the `train` line of
-metrics.jsonl (and the trackers get it), moves the progress bar or, without a terminal,
-prints the line. The logger owns the interval's clock (start, data wait, steps), the
-warm-up flag (a run's first interval is left out of the means), the GPU sampler and the
-profiler's steps (a trace of a few steps, tracking/profiling.py).
+step time, data wait, compute, first bad step and stop flag. Rank 0 writes the `train` line
+of metrics.jsonl (and the trackers get it), moves the progress bar or, without a terminal,
+prints the line, and names the stragglers (stragglers.py). The logger owns the interval's
+clock (start, data wait, compute, steps), the warm-up flag (a run's first interval is left
+out of the means), the GPU sampler, the profiler's steps (a trace of a few steps,
+tracking/profiling.py) and the rank's heartbeat (heartbeat.py: its last step, for the
+report on a stuck rank).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ddpflow.engine import distributed, stopflag
 from ddpflow.engine.efficiency import GpuSampler
 from ddpflow.engine.runtime import peak_memory_mib
 from ddpflow.engine.state import StageSetup, TrainState
+from ddpflow.engine.stragglers import ComputeClock, find, text
 
 
 @dataclass(frozen=True)
@@ -35,10 +38,15 @@ class Interval:
 
 class IntervalLogger:
     def __init__(self, setup: StageSetup, every: int, start_step: int, name: str, log,
-                 is_master: bool, profiler=None):
+                 is_master: bool, profiler=None, hosts: list | None = None, beat=None):
         self.setup, self.every, self.total, self.name = setup, every, setup.total_steps, name
         self.log = log  # results/metrics.MetricsLog on rank 0, None elsewhere
         self.profiler = profiler  # tracking/profiling.py: a trace of a few steps, or None
+        self.hosts = hosts or []  # each rank's host, rank order
+        self.beat = beat  # heartbeat.Heartbeat of this rank, or None
+        self.compute = ComputeClock(setup.devices[0])  # forward and loss, this rank
+        self.named: set[int] = set()  # the stragglers of the last interval
+        self.told: set[int] = set()  # those the console was told of
         self.bar = tqdm(total=self.total, initial=start_step, desc=name, unit="step",
                         file=sys.stderr, disable=not is_master or None, dynamic_ncols=True,
                         mininterval=1.0)
@@ -49,12 +57,16 @@ class IntervalLogger:
     def restart(self) -> None:
         """A new interval starts now (after a log line, and at each epoch's start)."""
         self.t0, self.wait, self.steps = time.perf_counter(), 0.0, 0
+        self.compute.reset()
 
     def waited(self, seconds: float) -> None:
         self.wait += seconds  # host time blocked on the next batch
 
-    def stepped(self) -> None:
+    def stepped(self, step: int) -> None:
+        """Optimizer step `step` is complete."""
         self.steps += 1
+        if self.beat:
+            self.beat.beat(step)
         self.bar.update(1)
         if self.profiler:
             self.profiler.step()
@@ -74,7 +86,9 @@ class IntervalLogger:
         dt = now - self.t0
         per_rank = distributed.all_gather_floats(dist, [
             dt / self.steps, self.wait / dt, first_bad,
-            1.0 if stopflag.received() else 0.0, bad_input])
+            1.0 if stopflag.received() else 0.0, bad_input, self.compute.take() / self.steps])
+        if self.beat:
+            self.beat.beat(s.step, now=True)
         bad = [(int(r[2]), int(r[4])) for r in per_rank if r[2] >= 0]
         if not bad and self.log is not None:
             rec = self.log.write(self.record(
@@ -86,6 +100,7 @@ class IntervalLogger:
             if self.bar.disable:  # no terminal (a log file, a Snakemake job): a line instead
                 tqdm.write(f"[{self.name}] {progress_line(rec, self.total)}",
                            file=sys.stderr)
+            self.tell_stragglers(rec)
         if not bad:
             counters.loss_sum.zero_()
             s.loss_count = 0
@@ -117,7 +132,24 @@ class IntervalLogger:
             "data_wait_fraction": wait / dt,
             "peak_mem_mib": max(peak_memory_mib(v) for v in devices),
             "grad_scale": grad_scale, "skipped_steps": skipped, "warmup": self.warmup,
+            "data_wait_s_per_rank": [r[1] * r[0] for r in per_rank],
+            "compute_s_per_rank": [r[5] for r in per_rank],
+            # the first interval of a run (start-up, compilation) names none
+            "stragglers": [] if self.warmup else find(
+                [r[1] * r[0] for r in per_rank], [r[5] for r in per_rank],
+                max(r[0] for r in per_rank), self.hosts),
             "time_s": time_s}
+
+    def tell_stragglers(self, rec: dict) -> None:
+        """A console line when a rank is named in two log intervals in a row (each
+        interval's stragglers are in its record): a blip, such as a tracker's import on
+        rank 0, is not worth a line."""
+        named = {s["rank"] for s in rec["stragglers"]}
+        steady = named & self.named
+        if steady and steady != self.told:
+            tqdm.write(f"[{self.name}] step {rec['step']}: straggler: " + text(
+                [s for s in rec["stragglers"] if s["rank"] in steady]), file=sys.stderr)
+        self.named, self.told = named, steady
 
     def close(self) -> None:
         if self.profiler:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 
-from ddpflow.engine import checkpoint, earlystop
+from ddpflow.engine import checkpoint, earlystop, stragglers
 from ddpflow.engine.runtime import environment
 from ddpflow.engine.state import StageEnd, StageFiles, StageSetup, TrainState
 from ddpflow.results.metrics import efficiency_means, read_records
@@ -67,6 +67,8 @@ def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dic
         "params": setup.params, "trainable_params": setup.trainable_params,
         "metrics_problems": problems,
         "rank_weight_sha256": end.weight_hashes, "rank_hosts": end.rank_hosts,
+        # the ranks that held every step back, their host, how often and why (stragglers.py)
+        "stragglers": stragglers.summary(records),
         "environment": environment(setup.device),
         "weights_in_sync": len(set(end.weight_hashes)) == 1,
         "config": files.config, "config_hash": files.config_hash,

@@ -72,14 +72,19 @@ def divergence(cfg, stage: str, bad: list[tuple[int, int]], loss_value, epoch: i
 
 
 def micro_step(net: nn.Module, batch, task, autocast, scaler, accum: int,
-               check_as: str | None = None) -> torch.Tensor:
+               check_as: str | None = None, clock=None) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; the loss (scaled for accumulation).
-    check_as: the task's name, to check the loss once (tasks.check_loss)."""
+    check_as: the task's name, to check the loss once (tasks.check_loss); clock: times the
+    forward and loss, this rank's own compute (stragglers.ComputeClock), or None."""
+    if clock:
+        clock.start()
     with autocast:
         loss = task.loss(forward(net, batch[0]), batch)
         if check_as:
             check_loss(loss, check_as)
         loss = loss / accum
+    if clock:
+        clock.stop()  # the backward all-reduces: it waits for the slowest rank
     scaler.scale(loss).backward()
     return loss
 

@@ -8,7 +8,10 @@ checkpoints, then `finish`. The trainer runs the loop; each component owns its o
     settings.py      what the stage runs with (tune.json merged, precision picked, checked)
     checkpointer.py  the stateful parts (one bundle for restore and save), when to save, the
                      gate that never saves weights a NaN/inf loss touched
-    intervals.py     when a log line is due and what it holds (a sync point, a collective)
+    intervals.py     when a log line is due and what it holds (a sync point, a collective),
+                     the stragglers named (stragglers.py)
+    heartbeat.py     each rank's last step in a file, and its stack on request; hang.py: a
+                     broken collective's ranks named before the rank leaves
     stopcontrol.py   when training ends early: a stop signal, --halt-after-steps, early stop
     efficiency.py    FirstSteps: what the first micro-batches measure (FLOPs, activations)
 What a user replaces comes in through seams: the model builder (seams/models.py), the data
@@ -32,10 +35,11 @@ from ddpflow.core import lazydynamo
 from ddpflow.core.errors import nondeterministic
 from ddpflow.data import prepared
 from ddpflow.data.pipeline import close_workers
-from ddpflow.engine import distributed, earlystop, resume, settings, stagelog, stopflag
+from ddpflow.engine import distributed, earlystop, hang, resume, settings, stagelog, stopflag
 from ddpflow.engine.build import data_parts, model_parts, optimizer_parts, stage_setup
 from ddpflow.engine.checkpointer import Checkpointer, Parts
 from ddpflow.engine.efficiency import FirstSteps
+from ddpflow.engine.heartbeat import Heartbeat, attempt_folder
 from ddpflow.engine.intervals import IntervalLogger
 from ddpflow.engine.memory import memory_record
 from ddpflow.engine.runtime import trace_file
@@ -77,6 +81,10 @@ class Trainer:
             lazydynamo.defer()  # seconds of start-up that only torch.compile needs
         self.dist = dist = distributed.setup(cfg.hardware, process_group={
             "ddp": True, "fsdp": "always", "dp": False}[stage.strategy])
+        # a group of its own for naming the ranks of a broken collective (hang.py), and this
+        # rank's heartbeat: its last step and, on request, its stack
+        self.watch = hang.watch_group(dist)
+        self.beat = Heartbeat(attempt_folder(cfg.stage_dir(stage.name)), dist.rank, dist.world)
         self.clock.mark("process_group")
         distributed.seed_everything(cfg.seed, dist.rank, cfg.deterministic)
         add_code_dirs(cfg)
@@ -109,7 +117,7 @@ class Trainer:
         self.first = FirstSteps(model.model, model.train_model, model.checkpointed, batch,
                                 lambda net, b, check: micro_step(
                                     net, b, model.task, autocast, scaler, accum,
-                                    cfg.task.name if check else None))
+                                    cfg.task.name if check else None, self.logger.compute))
         self.clock.mark("model")
         self.files = replace(files, monitor=model.monitor, mode=model.mode)
         self.checkpointer = Checkpointer(self.files, cfg.checkpoint, dist, self.parts)
@@ -162,7 +170,9 @@ class Trainer:
         self.logger = IntervalLogger(self.setup, self.cfg.log_every_steps, state.step,
                                      self.stage.name, log, dist.is_master, open_profiler(
                                          self.cfg, self.stage.name, dist.rank, dist.device,
-                                         self.files.out))
+                                         self.files.out),
+                                     hosts=distributed.gather_objects(dist, socket.gethostname()),
+                                     beat=self.beat)
         self.t_start = time.perf_counter()
         self.counters = StepCounters(state, dist.device)  # summed on the device: no sync per step
         self.in_epoch = state.step_in_epoch // self.setup.accum
@@ -224,7 +234,7 @@ class Trainer:
             self.parts.ema.update(self.parts.plain, state.step)
         state.loss_count += 1
         self.in_epoch += 1
-        self.logger.stepped()
+        self.logger.stepped(state.step)
         if "first_step" not in self.clock.marks:
             self.clock.mark("first_step")  # host side: the step's kernels may still be queued
 
@@ -300,16 +310,32 @@ class Trainer:
                                self.logger.log, self.checkpointer, self.trackers, self.say)
 
 
+    def broken(self, e: BaseException) -> None:
+        """A collective that did not complete: name the ranks that did not arrive, with
+        every rank's stack, before this rank leaves (hang.py; the launcher reports it)."""
+        beat = getattr(self, "beat", None)
+        if beat is not None and hang.is_broken_collective(e):
+            hang.diagnose(self.dist, self.watch, beat, e)
+
+    def close(self) -> None:
+        if getattr(self, "beat", None) is not None:
+            self.beat.close()
+
+
 def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
     """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    trainer = Trainer(cfg, stage_name, halt_after_steps)
     try:
-        return Trainer(cfg, stage_name, halt_after_steps).run()
+        return trainer.run()
     except RuntimeError as e:
         mistake = nondeterministic(e, cfg.model.name)
         if mistake is None:
+            trainer.broken(e)
             raise
         raise mistake from None
+    finally:
+        trainer.close()
 
 
 main = train_stage  # what each torchrun rank runs (ddpflow train: cli/)

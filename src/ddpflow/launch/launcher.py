@@ -23,6 +23,8 @@ from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
 from ddpflow.engine import checkpoint, weights
+from ddpflow.engine.heartbeat import RANKS
+from ddpflow.launch import hangreport
 from ddpflow.launch.procs import TORCHRUN, WarmAgent, run_torchrun
 from ddpflow.launch.slurmnodes import (
     check_slurm_gpus,
@@ -219,7 +221,9 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
          command: str = "train", ranks: tuple | None = None) -> tuple[list, dict]:
     """The torchrun command line and environment for one stage (or its tuning);
     `ranks` is stage_ranks(cfg, stage) where the caller has it already."""
-    n, _device, env = ranks or stage_ranks(cfg, stage)
+    n, device, env = ranks or stage_ranks(cfg, stage)
+    if device == "cuda":  # the flight recorder's dump names the rank a collective waited for
+        env = {**env, **hangreport.flight_recorder(Path(resolved).parent)}
     train = ["--module", "ddpflow", command, "--resolved", quoting.path_arg(resolved),
              "--stage", stage, *extra_args]
     restarts = f"--max-restarts={cfg.hardware.max_restarts}"
@@ -296,6 +300,8 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
         refuse_repeated_divergence(cfg, stage)
         out.mkdir(parents=True, exist_ok=True)
         (out / RANK_ERROR).unlink(missing_ok=True)
+        (out / hangreport.REPORT).unlink(missing_ok=True)
+        remove_scratch(out / RANKS)  # the last launch's heartbeats, stacks and hang reports
         write_json_atomic(out / "config.json", cfg.to_dict())
         if in_image:
             rc, stop_signal = container.run_stage(cfg, out / "config.json", stage,
@@ -304,7 +310,8 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
             write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
             remove_scratch(roll_call_dir(out / "config.json"))
             rc, stop_signal = run_torchrun(cmd, {**env, LAUNCH_T0: f"{t0:.6f}"},  # ranks
-                                           watch=out / RANK_ERROR, agent=agent)  # count from t0
+                                           watch=out / RANK_ERROR, agent=agent,  # count from t0
+                                           hang=hangreport.HangWatch(out))
         complete_wall(cfg, stage, t0)
         return _outcome(cfg, stage, rc, stop_signal, quiet=in_image)
 
@@ -379,7 +386,7 @@ def _outcome(cfg: Config, stage: str, rc: int, stop_signal: str | None, quiet: b
     gone = missing_nodes_text(cfg, out)
     kept = (f"completed checkpoints are kept in {out / 'checkpoints'} and a rerun resumes "
             f"from the newest valid one" if has_ckpt else "no checkpoint was written yet")
-    why = gone or (f"torchrun exited with {rc} after up to {cfg.hardware.max_restarts} "
-                   f"restart(s)")
+    why = gone or hangreport.report(out, cfg.hardware.timeout_s, said) or (
+        f"torchrun exited with {rc} after up to {cfg.hardware.max_restarts} restart(s)")
     said(f"ddpflow: error: stage '{stage}' failed: {why}; {kept}", file=sys.stderr)
     return rc if rc > 0 else 1

@@ -163,10 +163,11 @@ def warm_agent(cfg, dry_run: bool):
 
 
 def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
-                 agent: WarmAgent | None = None) -> tuple[int, str | None]:
+                 agent: WarmAgent | None = None, hang=None) -> tuple[int, str | None]:
     """Run torchrun; relay stop signals to its ranks; stop the group soon after a
     rank reports a user mistake in `watch` (the other ranks may be waiting for it in a
-    collective). Returns (exit code, signal)."""
+    collective); `hang` (hangreport.HangWatch): the deadline of an attempt whose collective
+    broke, after which its ranks left on this node are killed. Returns (exit code, signal)."""
     got: dict = {"signal": None}
     proc = None
     told: set[int] = set()  # ranks already given the stop signal
@@ -230,6 +231,8 @@ def run_torchrun(cmd: list, env: dict, watch: Path | None = None,
             pass
         if got["signal"]:  # ranks torchrun restarted after the signal are told as well
             relay(signal.Signals[got["signal"]])
+        if hang is not None and cmd[0] != "srun":  # (several nodes: each rank leaves itself)
+            hang.poll(lambda pid: _kill_session(pid) if pid in _children(proc.pid) else None)
         if watch is not None and watch.is_file():
             seen = seen or time.monotonic()
             if time.monotonic() - seen > 3.0:  # the others had time to report too

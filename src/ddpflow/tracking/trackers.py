@@ -1,5 +1,6 @@
-"""Metrics to the trackers users already open: TensorBoard event files (`tracking.tensorboard`)
-and MLflow runs (`tracking.mlflow`, in mlflowrun.py), both fed by `Trackers` on rank 0.
+"""Metrics to the trackers users already open: TensorBoard event files (`tracking.tensorboard`),
+MLflow runs (`tracking.mlflow`, in mlflowrun.py) and Weights & Biases runs (`tracking.wandb`,
+in wandbrun.py), all fed by `Trackers` on rank 0.
 
 Rank 0's metrics records (the same ones metrics.jsonl gets) go to
 `<run>/tensorboard/<stage>/`: per log interval loss, lr, samples/s, compute-only samples/s,
@@ -41,10 +42,17 @@ def tensorboard_available() -> bool:
 
 
 def check(cfg: Config) -> None:
-    """A tracker asked for without its package: one message naming the extra."""
+    """Before any rank starts: a tracker asked for without its package is one message naming
+    the extra; W&B's environment, folder and server (wandbrun.check)."""
     from ddpflow.tracking.mlflowrun import check as check_mlflow
+    from ddpflow.tracking.wandbrun import check as check_wandb
 
     check_mlflow(cfg)
+    check_tensorboard(cfg)
+    check_wandb(cfg)
+
+
+def check_tensorboard(cfg: Config) -> None:
     if cfg.tracking.tensorboard is True and not tensorboard_available():
         raise UserError("tracking.tensorboard is true but the tensorboard package is not "
                         "installed; pip install 'ddpflow[tensorboard]' (or set "
@@ -151,16 +159,19 @@ class Trackers:
 
 def open_trackers(cfg: Config, stage: str, resume_step: int, key: str) -> Trackers | None:
     """The stage's trackers on rank 0, or None when none is on."""
-    from ddpflow.tracking import mlflowrun
+    from ddpflow.tracking import mlflowrun, wandbrun
 
     items: list = []
     offset = step_offset(cfg, stage)
     on = cfg.tracking.tensorboard
     if on is True or (on == "auto" and tensorboard_available()):
-        check(cfg)
+        check_tensorboard(cfg)
         items.append(TensorBoard(cfg.run_dir / "tensorboard" / stage, offset, resume_step))
     if cfg.tracking.mlflow.uri:
         mlflowrun.check(cfg)
         items.append(mlflowrun.MlflowStage(cfg, stage, offset, key, resume_step > 0,
                                            flat(cfg.to_dict())))
+    if cfg.tracking.wandb.project:  # (checked before the ranks started: launcher.preflight)
+        items.append(wandbrun.WandbStage(cfg, stage, offset, key, resume_step > 0,
+                                         cfg.to_dict()))
     return Trackers(items) if items else None
