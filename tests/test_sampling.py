@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ddpflow.core.errors import UserError
 from ddpflow.data import policies
@@ -205,7 +207,9 @@ def test_weights_that_break_the_contract_are_one_message(cls, value, words):
 
 def test_good_weights_come_back_as_float64():
     got = check_weights(torch.tensor([0, 2, 1]), 3, "w")
-    assert got.dtype == np.float64 and got.tolist() == [0.0, 2.0, 1.0]
+    assert got.dtype == np.float64 and got.tolist() == [0.0, 1.0, 0.5]  # largest 1
+    huge = check_weights([1e308, 1e308, 5e307], 3, "w")  # their sum would overflow
+    assert np.isfinite(huge.sum()) and huge.tolist() == [1.0, 1.0, 0.5]
     assert check_weights([True, False, True], 3, "w").tolist() == [1.0, 0.0, 1.0]
 
 
@@ -284,3 +288,21 @@ def test_the_evaluation_crop_takes_the_sizes_it_is_given():
     grown = EvalCrop(32, 36)(same)  # an explicit resize is done even then
     torch.testing.assert_close(grown, F.interpolate(same, size=(36, 36), mode="bilinear",
                                                     antialias=True)[..., 2:34, 2:34])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(
+    st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5),
+                       st.booleans(), st.text(max_size=2), st.none()), max_size=6),
+    st.builds(np.array, st.lists(st.floats(), max_size=6)),
+    st.builds(lambda s: np.zeros(s), st.tuples(st.integers(0, 3), st.integers(0, 3))),
+    st.floats(), st.text(max_size=3), st.dictionaries(st.text(max_size=2), st.integers())))
+def test_property_any_weights_are_accepted_or_one_message(value):
+    """Whatever a weights callable returns: float64 weights for 4 samples, or one
+    UserError naming the callable, never another exception."""
+    try:
+        got = check_weights(value, 4, "data.sample_weights w:any")
+    except UserError as e:
+        assert str(e).startswith("data.sample_weights w:any returned ") and "\n" not in str(e)
+        return
+    assert got.shape == (4,) and np.isfinite(got).all() and (got >= 0).all() and got.max() == 1

@@ -129,7 +129,8 @@ def test_drawn_epochs_resume_exactly_on_the_same_fewer_and_more_ranks(tmp_path, 
     data = CASES[case]
     ref = tmp_path / "ref"
     setup(ref, STAGE, 2, **data)
-    assert run(ref, trace=ref / "trace").returncode == 0
+    proc = run(ref, trace=ref / "trace")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     want = seen(ref / "trace")
     draws = Counter(want[0])
     if data["sampling"] == "balanced":  # with replacement: some samples drawn twice

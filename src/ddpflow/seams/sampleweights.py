@@ -26,7 +26,8 @@ SETTING = "data.sample_weights"
 
 def check_weights(w, n: int, name: str) -> np.ndarray:
     """A weights callable's result as float64 [n]: one finite weight >= 0 per training
-    sample, some > 0 (a draw needs something to draw)."""
+    sample, some > 0 (a draw needs something to draw); scaled to a largest weight of 1 (the
+    same draws, and no sum that overflows)."""
     a = w.detach().cpu().numpy() if isinstance(w, torch.Tensor) else w
     a = np.asarray(a) if isinstance(a, (list, tuple, np.ndarray)) else None
     if a is None or a.ndim != 1 or a.dtype.kind not in "biuf" or len(a) != n:
@@ -38,7 +39,7 @@ def check_weights(w, n: int, name: str) -> np.ndarray:
         why = f"weight {bad[0]} = {a[bad[0]]}" if len(bad) else f"all {n} weights 0"
         raise UserError(f"{name} returned {why}; expected one finite weight >= 0 per "
                         f"training sample, some of them > 0")
-    return a
+    return a / a.max()
 
 
 def sample_weights(cfg, labels, n: int) -> np.ndarray:
