@@ -102,8 +102,7 @@ def requeued(src: Path, dst: Path) -> Path:
     """The halted run's folder copied, as a requeue onto another node would find it."""
     shutil.copytree(src, dst)
     cfg = yaml.safe_load((dst / "config.yaml").read_text())
-    cfg["results_dir"] = str(dst / "results")
-    cfg["data"]["code_dir"] = str(dst / "code")
+    cfg["results_dir"] = str(dst / "results")  # (data.code_dir: the same code, where it was)
     (dst / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return dst
 
