@@ -306,3 +306,52 @@ def test_property_any_weights_are_accepted_or_one_message(value):
         assert str(e).startswith("data.sample_weights w:any returned ") and "\n" not in str(e)
         return
     assert got.shape == (4,) and np.isfinite(got).all() and (got >= 0).all() and got.max() == 1
+
+
+# --------------------------------------------------------------------------- user datasets
+USER_SET = '''
+import torch
+from torch.utils.data import Dataset
+
+
+class Tail(Dataset):
+    def __init__(self, counts, targets=True):
+        self.y = [k for k, c in enumerate(counts) for _ in range(c)]
+        if targets:
+            self.targets = list(self.y)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return torch.full((2,), float(self.y[i])), self.y[i]
+
+
+def make(split, targets=True):
+    return Tail([60, 6, 2] if split == "train" else [2, 2, 2], targets)
+'''
+
+
+def test_a_user_dataset_draws_balanced_from_its_targets(tmp_path):
+    """data.source python: the factory's `targets` give the classes the draws balance;
+    without them, balanced sampling is one message naming the factory."""
+    from ddpflow.config import from_dict
+    from ddpflow.data.pipeline import _user_dataset
+
+    (tmp_path / "tail.py").write_text(USER_SET)
+    raw = {"data": {"source": "python", "factory": "tail:make", "code_dir": str(tmp_path),
+                    "sampling": "balanced", "num_workers": 0},
+           "task": "classification", "stages": [{"name": "a"}]}
+    d = SimpleNamespace(device=torch.device("cpu"), world=1, rank=0)
+    meta = {"kind": "python", "counts": {}}
+    data = _user_dataset(from_dict(raw), d, meta, 8, None, 1)
+    seen = Counter()
+    for _, y in data.train.epoch(0):
+        seen.update(y.tolist())
+    assert len(data.train) == 68 // 8 and sum(seen.values()) == 64
+    assert all(abs(seen[k] - 64 / 3) < 4 * math.sqrt(64 * 2 / 9) for k in range(3)), seen
+    raw["data"]["kwargs"] = {"targets": False}
+    with pytest.raises(UserError, match=r"data.sampling balanced draws each class equally "
+                                        r"often, and the data.factory tail:make dataset does "
+                                        r"not say its samples' classes; give it `targets`"):
+        _user_dataset(from_dict(raw), d, meta, 8, None, 1)
