@@ -1,7 +1,9 @@
 """The device augmentation path (random-resized-crop + flip + mixup) against compute-only
-training and against torchvision's per-sample RandomResizedCrop in DataLoader workers.
+training and against torchvision's per-sample RandomResizedCrop in DataLoader workers; with
+--policies, the cost per sample of each augmentation policy against crop-and-flip.
 
     python bench/augment.py [--size 64] [--steps 20] [--batch 128] [--rounds 3]
+    python bench/augment.py --policies [--size 32] [--batch 128] [--rounds 3]
 
 Same model, images, batch and precision for every variant; training steps only:
   compute-only   the device path's first-epoch batches, kept in memory (no work per step)
@@ -11,6 +13,12 @@ Same model, images, batch and precision for every variant; training steps only:
                  RandomResizedCrop(size) + flip + ToTensor + Normalize, then torchvision's
                  batched MixUp in the collate function (as a user would write it)
 Variants run in rounds and each keeps its best round (machine noise favours none).
+
+--policies: microseconds per sample, on the CPU in one thread (what one DataLoader worker
+pays; the device loader pays it on its device), of the crop-and-flip pipeline (the batched
+random resized crop + flip + normalisation of TrainBatches.transform, from the stored uint8
+images) and of each data.augment.policy (policies.apply: torchvision.transforms.v2 per
+sample, seeded per sample) on the same stored images; best of the rounds.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import os
 import sys
 import tempfile
+from functools import partial
 
 import torch
 from common import pil_loader
@@ -41,7 +50,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers (torchvision)")
+    ap.add_argument("--policies", action="store_true",
+                    help="the cost per sample of each augmentation policy vs crop-and-flip")
     args = ap.parse_args()
+    if args.policies:
+        return policy_costs(args)
     torch.set_num_threads(os.cpu_count() or 1)
     store = round(args.size * 1.15)
     with tempfile.TemporaryDirectory() as d:
@@ -78,6 +91,41 @@ def main() -> None:
     for name, v in best.items():
         print(f"  {name:13s} {v:8.0f} samples/s   {v / base:5.3f} of compute-only")
     print(f"  device path vs torchvision workers: {best['device'] / best['torchvision']:.2f}x")
+
+
+def policy_costs(args) -> None:
+    """Microseconds per sample of crop-and-flip and of each policy (module docstring)."""
+    import time
+    from types import SimpleNamespace
+
+    from ddpflow.data import policies
+
+    torch.set_num_threads(1)  # one DataLoader worker's share
+    store = round(args.size * 1.15)
+    x = torch.randint(0, 256, (args.batch, store, store, 3), dtype=torch.uint8)
+    aug = from_dict({"data": {"image_size": args.size, "store_size": store,
+                              "augment": {"random_resized_crop": {}}},
+                     "stages": [{"name": "s"}]}).data.augment
+    norm = Normalize([0.5] * 3, [0.25] * 3, torch.device("cpu"), 3, False)
+    tb = TrainBatches("device", x.numpy(), torch.zeros(args.batch).long().numpy(), args.batch,
+                      torch.device("cpu"), 1, 0, 0, aug, norm, image_size=args.size)
+    g = torch.Generator().manual_seed(0)
+    runs = {"crop-and-flip": lambda: tb.transform(x, g)}
+    keys = list(range(args.batch))
+    for name in policies.NAMES:
+        p = policies.build(SimpleNamespace(policy=name, num_ops=None, magnitude=None))
+        runs[name] = partial(policies.apply, p, x, keys)
+    best = {k: float("inf") for k in runs}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / args.batch * 1e6)
+    base = best["crop-and-flip"]
+    print(f"per sample at {args.size} px (stored {store} px), batches of {args.batch}, 1 CPU "
+          f"thread, best of {args.rounds} rounds")
+    for name, us in best.items():
+        print(f"  {name:15s} {us:9.1f} us/sample   {us / base:6.1f} x crop-and-flip")
 
 
 def _torchvision(images, labels, args, meta):

@@ -73,8 +73,8 @@ def test_stage_end_test_split_and_evaluate_agree(trained):
     assert meta["image_shape"] == [18, 18, 3]  # stored at 1.15 x image_size for crops
     assert [meta["counts"][s]["total"] for s in ("train", "val", "test")] == [39, 9, 12]
     s = json.loads((tmp / "results/t/stages/s1/summary.json").read_text())
-    assert s["weights"] == "ema" and set(s["test_metrics"]) == {"test_acc", "test_loss",
-                                                                "test_top5"}
+    assert s["weights"] == "ema" and set(s["test_metrics"]) == {
+        "test_acc", "test_loss", "test_top5", "test_recall", "test_balanced_acc"}
     recs = [json.loads(x) for x in (tmp / "results/t/stages/s1/metrics.jsonl").open()]
     assert recs[-1]["kind"] == "test" and recs[-2]["kind"] == "val"  # once, after the last
     proc = ddpflow("evaluate", "--config", p, check=True)

@@ -156,7 +156,8 @@ def test_optimizer_memory_counts_each_state_of_each_parameter(optimizer, states)
     from ddpflow.engine.runtime import build_optimizer
 
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 10))
-    st = SimpleNamespace(optimizer=optimizer, weight_decay=0.01, momentum=0.9, nesterov=False)
+    st = SimpleNamespace(optimizer=optimizer, weight_decay=0.01, momentum=0.9, nesterov=False,
+                         norm_weight_decay=None)
     opt = build_optimizer(model, st, 0.01, torch.device("cpu"))
     model(torch.randn(4, 512)).sum().backward()
     opt.step()

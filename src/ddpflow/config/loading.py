@@ -18,7 +18,7 @@ import yaml
 
 from ddpflow.config import endpoints
 from ddpflow.config.messages import message
-from ddpflow.config.stagechecks import check_stage_recipe, check_stages
+from ddpflow.config.stagechecks import check_data_recipe, check_stage_recipe, check_stages
 from ddpflow.config.types import Config, build
 from ddpflow.config.types import schema as _schema  # parsed once (cached)
 from ddpflow.config.yamlfile import read_yaml
@@ -112,7 +112,8 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
     _check_images(d["data"])
     _check_endpoints(d)
     _check_recipe(d)
-    check_stage_recipe(d)  # progressive_resize, warmup_epochs
+    check_stage_recipe(d)  # progressive_resize, warmup_epochs, schedules
+    check_data_recipe(d)  # sampling, augmentation policy, evaluation crop
     _check_deterministic(d)
     return d
 

@@ -1,6 +1,7 @@
-"""Checks of the stage list and of each stage's recipe that span several keys (the schema
-checks one key at a time): each mistake is one `invalid config: <key>: ...` message naming
-the key and what to write instead.
+"""Checks of the stage list, of each stage's recipe and of the data's (sampling,
+augmentation policy, evaluation crop) that span several keys (the schema checks one key at
+a time): each mistake is one `invalid config: <key>: ...` message naming the key and what
+to write instead.
 
 A stage's name becomes a folder (results/<run>/stages/<name>/) and a Snakemake wildcard:
 the schema's pattern keeps it to letters, digits, '.', '_' and '-' starting with a letter or
@@ -83,6 +84,7 @@ def check_stage_recipe(d: dict[str, Any]) -> None:
                                 f"start_size {start} only and never reaches {end}; set "
                                 f"stages.{i}.epochs >= 2, or drop progressive_resize")
         _check_strategy(key, st)
+        _check_schedule(key, st)
         if st["warmup_epochs"] > st["epochs"]:
             raise UserError(f"{key}.warmup_epochs: {st['warmup_epochs']} is more than the "
                             f"stage's {st['epochs']} epoch(s); the learning rate would never "
@@ -122,3 +124,78 @@ def _check_strategy(key: str, st: dict) -> None:
         if clash:
             raise UserError(f"{key}.{name}: {why}; {fix}, or strategy: ddp")
     check_precision(key, st["strategy"], st["precision"])
+
+
+def _check_schedule(key: str, st: dict) -> None:
+    """Each schedule's own keys: set where it reads them, and only there."""
+    kind = st["schedule"]
+    if kind == "step" and st["lr_step_epochs"] is None:
+        raise UserError(f"{key}.lr_step_epochs: schedule step multiplies the learning rate by "
+                        f"lr_gamma every lr_step_epochs epochs; set it (e.g. 30)")
+    if kind != "step" and st["lr_step_epochs"] is not None:
+        raise UserError(f"{key}.lr_step_epochs is a setting of schedule step, and this "
+                        f"stage's schedule is {kind}; drop it, or set schedule: step")
+    ms = st["lr_milestones"]
+    if kind == "multistep" and not ms:
+        raise UserError(f"{key}.lr_milestones: schedule multistep multiplies the learning "
+                        f"rate by lr_gamma at each of these epochs; list them, e.g. [30, 60]")
+    if kind != "multistep" and ms:
+        raise UserError(f"{key}.lr_milestones is a setting of schedule multistep, and this "
+                        f"stage's schedule is {kind}; drop it, or set schedule: multistep")
+    if any(b <= a for a, b in zip(ms, ms[1:])):
+        raise UserError(f"{key}.lr_milestones {ms}: each epoch once, in increasing order")
+    if ms and st["max_steps"] is None and ms[-1] >= st["epochs"]:
+        raise UserError(f"{key}.lr_milestones: epoch {ms[-1]} is not inside the stage's "
+                        f"{st['epochs']} epoch(s), so that decay never comes; list epochs "
+                        f"below {st['epochs']}")
+    if st["lr_min"] and kind not in ("cosine", "linear"):
+        raise UserError(f"{key}.lr_min is where a cosine or linear schedule ends, and this "
+                        f"stage's schedule is {kind}; drop it, or set schedule: cosine")
+    if st["lr_min"] >= st["lr"]:
+        raise UserError(f"{key}.lr_min {st['lr_min']:g} is not below lr {st['lr']:g}; the "
+                        f"schedule decays from lr down to lr_min: set lr_min < lr")
+
+
+POLICY_KEYS = {"num_ops": ("randaugment",), "magnitude": ("randaugment", "augmix")}
+
+
+def check_data_recipe(d: dict[str, Any]) -> None:
+    """data.sampling with its weights and task, the augmentation policy's own keys, and
+    the evaluation crop inside the image it resizes."""
+    data, aug = d["data"], d["data"]["augment"]
+    mode, spec = data["sampling"], data["sample_weights"]
+    if mode == "weights" and spec is None:
+        raise UserError("invalid config: data.sampling weights draws each sample by its "
+                        "weight, and data.sample_weights is null; set it to "
+                        "package.module:callable(labels) returning one weight per sample")
+    if mode != "weights" and spec is not None:
+        raise UserError(f"invalid config: data.sample_weights is read by data.sampling "
+                        f"weights only, and data.sampling is {mode}; set sampling: weights, "
+                        f"or drop sample_weights")
+    if mode == "balanced" and d["task"]["name"] == "regression":
+        raise UserError("invalid config: data.sampling balanced draws each class equally "
+                        "often, and task regression has no classes; use data.sampling "
+                        "uniform, or weights (data.sample_weights)")
+    python = data["source"] == "python" and not data["materialize"]
+    used = [k for k in ("policy", "eval_resize_size", "eval_crop_size")
+            if (aug if k == "policy" else data)[k] is not None]
+    if python and used:
+        where = "augment." * (used[0] == "policy")
+        raise UserError(f"invalid config: data.{where}{used[0]} acts on prepared images; a "
+                        f"data.source python dataset does its own transforms (or set "
+                        f"data.materialize: true)")
+    for name, policies in POLICY_KEYS.items():
+        if aug[name] is not None and aug["policy"] not in policies:
+            raise UserError(f"invalid config: data.augment.{name} is a setting of policy "
+                            f"{' and '.join(policies)}, and data.augment.policy is "
+                            f"{aug['policy'] or 'null'}; drop it, or set the policy")
+    if aug["policy"] == "augmix" and aug["magnitude"] is not None \
+            and not 1 <= aug["magnitude"] <= 10:
+        raise UserError(f"invalid config: data.augment.magnitude {aug['magnitude']} is "
+                        f"AugMix's severity, from 1 to 10; set it in that range (3 is "
+                        f"torchvision's default)")
+    crop = data["eval_crop_size"] or data["image_size"]
+    if data["eval_resize_size"] is not None and data["eval_resize_size"] < crop:
+        raise UserError(f"invalid config: data.eval_resize_size {data['eval_resize_size']} is "
+                        f"smaller than the centre crop it is cut from ({crop}: "
+                        f"data.eval_crop_size or image_size); set it >= {crop}")

@@ -11,7 +11,12 @@ a different part of each image every epoch (FFCV-style "store big, crop on the f
                           filter), the whole batch in two batched matmuls
     center_crop           validation, test, evaluate and predict: resize to
                           image_size / 0.875, keep the centre image_size (the standard
-                          evaluation crop); nothing when the stored size is the image size
+                          evaluation crop); nothing when the stored size is the image size.
+                          data.eval_resize_size and eval_crop_size set the two sides
+                          (`EvalCrop`, torchvision's --val-resize-size / --val-crop-size)
+
+Every resampling filters with data.interpolation: bilinear (a triangle), or bicubic (PIL's
+and PyTorch's antialiased cubic, a = -0.5), widened by the scale when shrinking.
 
 Progressive resizing passes the epoch's size to either crop: one resampling, straight to
 that size (not a crop at image_size resized again).
@@ -23,12 +28,14 @@ bilinear resampling inside the image).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 EVAL_CROP_FRACTION = 0.875  # the centre crop keeps 87.5% of the side (224 of 256)
 TRIES = 10  # boxes drawn per sample before falling back to the centre (as torchvision)
+CUBIC_A = -0.5  # the cubic filter of antialiased bicubic resampling (PyTorch, PIL)
 
 
 def eval_resize(image_size: int) -> int:
@@ -36,21 +43,49 @@ def eval_resize(image_size: int) -> int:
     return int(round(image_size / EVAL_CROP_FRACTION))
 
 
-def center_crop(x: torch.Tensor, image_size: int, out: int | None = None) -> torch.Tensor:
+def _resample(x: torch.Tensor, size: int, mode: str) -> torch.Tensor:
+    return F.interpolate(x, size=(size, size), mode=mode, antialias=True, align_corners=False)
+
+
+def center_crop(x: torch.Tensor, image_size: int, out: int | None = None,
+                resize: int | None = None, mode: str = "bilinear") -> torch.Tensor:
     """[b, c, s, s] -> [b, c, out, out] (out: image_size unless progressive resizing trains
-    smaller): resize to out / 0.875 (bilinear, antialiased), then the centre; where no
-    margin is stored (s == image_size) the whole image, resized to out; unchanged when
-    s == out == image_size. One resampling either way."""
+    smaller): resize to `resize` (None: out / 0.875; antialiased), then the centre; where
+    no margin is stored (s == image_size, resize None) the whole image, resized to out;
+    unchanged when s == out == image_size. One resampling either way."""
     s = x.shape[-1]
     out = out or image_size
-    if s == image_size:
-        return x if out == s else F.interpolate(x, size=(out, out), mode="bilinear",
-                                                antialias=True, align_corners=False)
-    r = eval_resize(out)
+    if s == image_size and resize is None:
+        return x if out == s else _resample(x, out, mode)
+    r = resize or eval_resize(out)
     if s != r:
-        x = F.interpolate(x, size=(r, r), mode="bilinear", antialias=True, align_corners=False)
+        x = _resample(x, r, mode)
     o = (r - out) // 2
     return x[..., o:o + out, o:o + out]
+
+
+@dataclass(frozen=True)
+class EvalCrop:
+    """The evaluation's crop: resize to `resize` (None: crop / 0.875, or nothing where the
+    stored image is the crop), keep the centre `crop`, with the `mode` filter."""
+
+    crop: int
+    resize: int | None = None
+    mode: str = "bilinear"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return center_crop(x, self.crop, resize=self.resize, mode=self.mode)
+
+    def describe(self) -> str:
+        side = self.resize or eval_resize(self.crop)
+        when = "" if self.resize else f" unless already {self.crop}"
+        return f"resize to {side} ({self.mode}, antialiased){when}, centre crop {self.crop}"
+
+
+def eval_sizes(data) -> EvalCrop:
+    """The evaluation crop of a config's data section (eval_crop_size null: image_size)."""
+    return EvalCrop(data.eval_crop_size or data.image_size, data.eval_resize_size,
+                    data.interpolation)
 
 
 def _boxes(b: int, h: int, w: int, scale, ratio, g: torch.Generator, device):
@@ -78,31 +113,41 @@ def _boxes(b: int, h: int, w: int, scale, ratio, g: torch.Generator, device):
     return torch.stack([left, top, cw, ch], 1)
 
 
-def _axis_weights(start, length, size: int, extent: int) -> torch.Tensor:
+def _cubic(t: torch.Tensor) -> torch.Tensor:
+    """The cubic convolution filter (a = CUBIC_A) at distances |t| (0 from 2 on)."""
+    t, a = t.abs(), CUBIC_A
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    return torch.where(t < 1, near, torch.where(t < 2, far, torch.zeros_like(t)))
+
+
+def _axis_weights(start, length, size: int, extent: int, mode: str = "bilinear"):
     """[b, size, extent]: per sample, the weights that resample pixels start..start+length
-    of an axis (of extent pixels) to size pixels as PyTorch's antialiased bilinear resize
-    (torchvision's resize(antialias=True)) resamples that span cut out: a triangle filter,
-    widened by the scale when shrinking, normalised over the span's pixels."""
+    of an axis (of extent pixels) to size pixels as PyTorch's antialiased resize
+    (torchvision's resize(antialias=True)) resamples that span cut out: a triangle filter
+    (bilinear) or a cubic one (bicubic), widened by the scale when shrinking, normalised
+    over the span's pixels."""
     b, dev = start.shape[0], start.device
     length = length.view(b, 1, 1).float()
     scale = length / size  # input pixels per output pixel
-    support = scale.clamp(min=1.0)  # the filter's half-width, in input pixels
+    support = scale.clamp(min=1.0)  # the filter's widening, in input pixels
     centre = scale * (torch.arange(size, device=dev).view(1, size, 1) + 0.5)
     k = torch.arange(extent, device=dev).view(1, 1, extent) - start.view(b, 1, 1)
-    w = (1 - ((k + 0.5 - centre) / support).abs()).clamp(min=0)
+    t = (k + 0.5 - centre) / support
+    w = _cubic(t) if mode == "bicubic" else (1 - t.abs()).clamp(min=0)
     w = w * ((k >= 0) & (k < length))
     return w / w.sum(-1, keepdim=True)
 
 
 def crop_resize(x: torch.Tensor, boxes: torch.Tensor, size: int,
-                mirror: torch.Tensor | None = None) -> torch.Tensor:
+                mirror: torch.Tensor | None = None, mode: str = "bilinear") -> torch.Tensor:
     """[b, c, h, w] float, boxes [b, 4] (left, top, width, height) -> [b, c, size, size]:
     each sample's box resampled to size (antialiased when shrinking, as torchvision), then
     mirrored where `mirror` ([b] bool). Separable: rows then columns, as batched matmuls."""
     b, _, h, w = x.shape
     left, top, bw, bh = boxes.unbind(1)
-    rows = _axis_weights(top, bh, size, h).to(x.dtype)  # [b, size, h]
-    cols = _axis_weights(left, bw, size, w).to(x.dtype)  # [b, size, w]
+    rows = _axis_weights(top, bh, size, h, mode).to(x.dtype)  # [b, size, h]
+    cols = _axis_weights(left, bw, size, w, mode).to(x.dtype)  # [b, size, w]
     if mirror is not None:
         cols = torch.where(mirror.view(b, 1, 1), cols.flip(1), cols)
     out = torch.matmul(torch.matmul(rows.unsqueeze(1), x), cols.unsqueeze(1).transpose(-1, -2))
@@ -112,10 +157,10 @@ def crop_resize(x: torch.Tensor, boxes: torch.Tensor, size: int,
 
 
 def random_resized_crop(x: torch.Tensor, size: int, scale, ratio, flip: bool,
-                        g: torch.Generator) -> torch.Tensor:
+                        g: torch.Generator, mode: str = "bilinear") -> torch.Tensor:
     """[b, c, h, w] float -> [b, c, size, size]: one random box per sample resampled to size
     (crop_resize: antialiased, one resampling), mirrored with probability 0.5 when `flip`."""
     b, _, h, w = x.shape
     boxes = _boxes(b, h, w, scale, ratio, g, x.device)
     mirror = torch.rand(b, device=x.device, generator=g) < 0.5 if flip else None
-    return crop_resize(x, boxes, size, mirror)
+    return crop_resize(x, boxes, size, mirror, mode)

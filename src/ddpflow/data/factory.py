@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from ddpflow.core.errors import UserError
-from ddpflow.data.loaders import EpochSampler
+from ddpflow.data.sampling import EpochSampler, Spec
 from ddpflow.seams import contract
 from ddpflow.seams.userimport import add_code_dirs, call, load_callable
 
@@ -86,9 +86,11 @@ class FactoryBatches:
     """One rank's training batches of a user dataset, epoch by epoch, resumable mid-epoch."""
 
     def __init__(self, ds, batch_size, device, world, rank, seed, data_cfg, trace=None,
-                 accum: int = 1):
+                 accum: int = 1, sampling: Spec | None = None, labels=None):
         self.batch_size, self.device, self.trace = batch_size, device, trace
-        self.sampler = EpochSampler(len(ds), world, rank, seed, batch_size, accum)
+        sampling = sampling or Spec()  # data.sampling over the dataset's `targets`
+        self.sampler = EpochSampler(len(ds), world, rank, seed, batch_size, accum,
+                                    sampling.draws(labels, len(ds)), sampling.repeats)
         workers = data_cfg.num_workers
         extra = dict(persistent_workers=data_cfg.persistent_workers,
                      prefetch_factor=data_cfg.prefetch_factor) if workers > 0 else {}

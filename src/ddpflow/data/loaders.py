@@ -17,56 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from ddpflow.config.types import AugmentCfg
 from ddpflow.core.errors import UserError
 from ddpflow.core.seeds import seed_sequence
-from ddpflow.data.crops import center_crop, random_resized_crop
+from ddpflow.data import policies
+from ddpflow.data.crops import EvalCrop, center_crop, random_resized_crop
 from ddpflow.data.mixing import Recipe
 from ddpflow.data.mixing import apply as apply_recipe
 from ddpflow.data.prefetch import Ahead
-from ddpflow.data.resident import read_rows, resident_split, upload
+from ddpflow.data.resident import read_kept, read_rows, resident_split, upload
+from ddpflow.data.sampling import EpochSampler, Spec
 from ddpflow.data.shards import JpegImages, decode_cuda
-
-
-class EpochSampler(Sampler):
-    """This rank's samples of an epoch, in the order of its micro-batches, from an offset.
-
-    An epoch is one permutation of the split (seeded by seed + epoch, as DistributedSampler
-    draws it), cut into optimizer steps of the global batch G = batch x world x accum, and
-    each step into world x accum slots of `batch` consecutive samples: rank r's micro-batch m
-    of a step is slot m x world + r. A slot holds the same samples whatever the number of
-    ranks, so a run resumed on other ranks (accumulation adapted to keep G) trains every step
-    on the same samples, every micro-batch on the same slot (BatchNorm sees the same batch).
-    The n % G samples beyond the last whole step sit this epoch out (others each epoch)."""
-
-    def __init__(self, n: int, world: int, rank: int, seed: int, batch: int = 1,
-                 accum: int = 1):
-        self.n, self.world, self.rank, self.seed = n, world, rank, seed
-        self.batch, self.accum = batch, accum
-        self.steps = n // (batch * world * accum)  # whole optimizer steps per epoch
-        self.num_samples = self.steps * accum * batch  # this rank's, per epoch
-        self.epoch, self.start = 0, 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-
-    def slot(self, micro: int) -> tuple[int, int]:
-        """(optimizer step, slot) of this rank's micro-batch `micro` of the epoch."""
-        step, m = divmod(micro, self.accum)
-        return step, m * self.world + self.rank
-
-    def __iter__(self):
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.n, generator=g)[:self.steps * self.batch * self.world
-                                                     * self.accum]
-        mine = order.view(self.steps, self.accum, self.world, self.batch)[:, :, self.rank]
-        return iter(mine.reshape(-1)[self.start:].tolist())
-
-    def __len__(self):
-        return self.num_samples - self.start
 
 
 def step_generator(device: torch.device, seed: int, epoch: int, step: int, rank: int):
@@ -148,10 +111,12 @@ class BadSamples:
 
 
 class _Memmap(Dataset):
-    """Indexable view of the prepared arrays; fetches (and decodes) a whole batch per call."""
+    """Indexable view of the prepared arrays; fetches (and decodes) a whole batch per call.
+    Given (index, key) pairs (EpochSampler.keyed), each image goes through `policy` seeded
+    by its key, here in the worker (data/policies.py)."""
 
-    def __init__(self, images, labels, encoded: bool = False):
-        self.images, self.labels, self.encoded = images, labels, encoded
+    def __init__(self, images, labels, encoded: bool = False, policy=None):
+        self.images, self.labels, self.encoded, self.policy = images, labels, encoded, policy
 
     def __len__(self):
         return len(self.labels)
@@ -159,28 +124,41 @@ class _Memmap(Dataset):
     def __getitem__(self, i):
         return self.__getitems__([i])
 
-    def __getitems__(self, idx):
+    def __getitems__(self, items):
+        keys = None
+        if items and isinstance(items[0], tuple):
+            idx, keys = [i for i, _ in items], [k for _, k in items]
+        else:
+            idx = items
         if self.encoded:  # the JPEG bytes only: the GPU decodes the batch (shards.decode_cuda)
-            return self._encoded(idx)
-        images, labels, idx, bad = read_rows(self.images, self.labels, idx)
-        return (torch.from_numpy(images), torch.from_numpy(labels).long(),
-                torch.as_tensor(idx), bad)
+            return self._encoded(idx, keys)
+        images, labels, kept, bad = read_kept(self.images, self.labels, idx)
+        x = torch.from_numpy(images)
+        if keys is not None:
+            x = policies.apply(self.policy, x, [keys[p] for p in kept])
+        return (x, torch.from_numpy(labels).long(),
+                torch.as_tensor(np.asarray(idx, dtype=np.int64)[kept]), bad)
 
-    def _encoded(self, idx):
+    def _encoded(self, idx, keys):
         idx = [int(i) for i in idx]
         found, bad = self.images.read(idx)  # in file order; damaged entries reported
         kept = [idx[p] for p in sorted(found)]
         bufs = [np.array(found[p]) for p in sorted(found)]
-        return (bufs, torch.from_numpy(self.labels[kept]).long(), torch.as_tensor(kept), bad)
+        batch = (bufs, torch.from_numpy(self.labels[kept]).long(), torch.as_tensor(kept), bad)
+        # the policy after nvJPEG's decode, on the device (keys of the kept ones)
+        return batch if keys is None else (*batch, [keys[p] for p in sorted(found)])
 
 
-def _decode_on_device(batch, images: JpegImages, device):
-    """Workers' encoded batch -> (uint8 NHWC on device, labels, idx, bad) via nvJPEG."""
-    bufs, y, idx, bad = batch
+def _decode_on_device(batch, images: JpegImages, device, policy=None):
+    """Workers' encoded batch -> (uint8 NHWC on device, labels, idx, bad) via nvJPEG; with
+    the policy's keys (a 5th item), each decoded image through the policy."""
+    bufs, y, idx, bad = batch[:4]
     x, kept, failed = decode_cuda(bufs, device)
     bad = bad + [(int(idx[p]), f"{images.where(int(idx[p]))}: {why}") for p, why in failed]
     if x is None:
         x = torch.zeros((0, *images.shape[1:]), dtype=torch.uint8, device=device)
+    elif len(batch) > 4:
+        x = policies.apply(policy, x, [batch[4][p] for p in kept])
     return x, y[kept], idx[kept], bad
 
 
@@ -195,8 +173,10 @@ class TrainBatches:
                  normalize, num_workers=0, pin_memory=False, persistent_workers=False,
                  prefetch_factor=2, trace=None, recipe: Recipe | None = None,
                  image_size: int | None = None, max_bad: float = 0.0, resident=None,
-                 accum: int = 1):
+                 accum: int = 1, sampling: Spec | None = None, interpolation: str = "bilinear"):
         self.trace = trace  # optional text file: "epoch step idx..." per batch (an audit)
+        self.interpolation = interpolation  # of the crop's resampling (data.interpolation)
+        self.policy = policies.build(aug)  # data.augment.policy, per sample (policies.py)
         self.image_size = image_size or images.shape[1]  # what training sees (<= stored)
         self.recipe = recipe if recipe is not None and recipe.active else None
         self.size_at = None  # epoch -> training size (progressive resizing), set by the trainer
@@ -212,14 +192,17 @@ class TrainBatches:
             # only index it. `resident`: the (images, labels) of an earlier upload, reused
             self.images, self.labels = resident or resident_split(images, labels, device,
                                                                   self.bad)
-        self.sampler = EpochSampler(len(self.labels) if kind == "device" else len(labels),
-                                    world, rank, seed, batch_size, accum)
+        kept = self.labels if kind == "device" else labels  # the device's: readable ones
+        sampling = sampling or Spec()
+        self.sampler = EpochSampler(len(kept), world, rank, seed, batch_size, accum,
+                                    sampling.draws(kept), sampling.repeats)
         self.steps_per_epoch = self.sampler.num_samples // batch_size
         if kind != "device":
             workers = dict(persistent_workers=persistent_workers,
                            prefetch_factor=prefetch_factor) if num_workers > 0 else {}
+            self.sampler.keyed = self.policy is not None  # each draw's seed to the workers
             self.loader = DataLoader(
-                _Memmap(images, labels, encoded=self.gpu_decode), batch_size=batch_size,
+                _Memmap(images, labels, self.gpu_decode, self.policy), batch_size=batch_size,
                 sampler=self.sampler, num_workers=num_workers,
                 pin_memory=pin_memory and device.type == "cuda", drop_last=True,
                 collate_fn=_as_is, **workers)
@@ -230,10 +213,7 @@ class TrainBatches:
     def epoch(self, epoch: int, start_step: int = 0):
         self.sampler.set_epoch(epoch, start_step * self.batch_size)
         if self.kind == "device":
-            order = torch.tensor(list(iter(self.sampler)), device=self.device)
-            batches = (order[i * self.batch_size:(i + 1) * self.batch_size]
-                       for i in range(self.steps_per_epoch - start_step))
-            triples = ((self.images[idx], self.labels[idx], idx) for idx in batches)
+            triples = self._resident_batches(start_step)
         else:
             # GPU JPEG decode: one or two batches ahead in a thread (a side stream on a GPU),
             # not in series with the step; a batch the workers decoded needs no thread
@@ -251,10 +231,22 @@ class TrainBatches:
                 x, y = apply_recipe(x, y, self.recipe, g, (self.seed, epoch, *step_slot))
             yield x, y
 
+    def _resident_batches(self, start_step: int):
+        """(images, labels, idx) of each batch of the device loader, through the policy."""
+        order, place = self.sampler.mine()
+        order = order.to(self.device)
+        b = self.batch_size
+        for i in range(self.steps_per_epoch - start_step):
+            idx = order[i * b:(i + 1) * b]
+            x = self.images[idx]
+            if self.policy is not None:  # per sample, each seeded by its place in the epoch
+                x = policies.apply(self.policy, x, self.sampler.keys(place[i * b:(i + 1) * b]))
+            yield x, self.labels[idx], idx
+
     def _on_device(self, batch):
         """A workers' batch on the training device; unreadable samples reported and left out."""
         if self.gpu_decode:
-            x, y, idx, bad = _decode_on_device(batch, self.source, self.device)
+            x, y, idx, bad = _decode_on_device(batch, self.source, self.device, self.policy)
         else:
             x, y, idx, bad = batch
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -270,8 +262,10 @@ class TrainBatches:
         rrc = self.aug.random_resized_crop
         if rrc:
             return random_resized_crop(self.normalize(x), size or self.image_size,
-                                       rrc["scale"], rrc["ratio"], self.aug.flip, g)
-        return center_crop(self.normalize(augment(x, self.aug, g)), self.image_size, size)
+                                       rrc["scale"], rrc["ratio"], self.aug.flip, g,
+                                       self.interpolation)
+        return center_crop(self.normalize(augment(x, self.aug, g)), self.image_size, size,
+                           mode=self.interpolation)
 
 
 def forever(make_epoch):
@@ -290,12 +284,14 @@ def forever(make_epoch):
 
 
 def val_batches(images, labels, device, world, rank, normalize, resident=False,
-                image_size: int | None = None, split: str = "val", max_bad: float = 0.0):
+                image_size: int | None = None, split: str = "val", max_bad: float = 0.0,
+                crop: EvalCrop | None = None):
     """(batch size) -> this rank's strided share of a validation (or test) split, in order,
-    with the evaluation's centre crop to image_size. resident (the device loader): the
-    share is copied to the device at the first validation and stays there. Streamed: a
-    thread reads (decodes) the next batch, into pinned memory on a GPU, while this one runs."""
-    size = image_size or images.shape[1]
+    with the evaluation's centre crop (`crop`; None: to image_size). resident (the device
+    loader): the share is copied to the device at the first validation and stays there.
+    Streamed: a thread reads (decodes) the next batch, into pinned memory on a GPU, while
+    this one runs."""
+    crop = crop or EvalCrop(image_size or images.shape[1])
     idx = np.arange(rank, len(labels), world)
     bad = BadSamples(split, len(labels), max_bad, rank)
     kept = {}
@@ -310,14 +306,13 @@ def val_batches(images, labels, device, world, rank, normalize, resident=False,
             kept["x"], kept["y"] = upload(images, labels, idx, device, bad)
         if resident:
             for i in range(0, len(kept["y"]), batch_size):
-                yield (center_crop(normalize(kept["x"][i:i + batch_size]), size),
-                       kept["y"][i:i + batch_size])
+                yield crop(normalize(kept["x"][i:i + batch_size])), kept["y"][i:i + batch_size]
             return
         parts = (idx[i:i + batch_size] for i in range(0, len(idx), batch_size))
         for x, y, lost in read_ahead(read, parts):
             bad.note(lost)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            yield center_crop(normalize(x), size), y
+            yield crop(normalize(x)), y
     return batches
 
 

@@ -15,9 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+import numpy as np
+
+from ddpflow.core.errors import UserError
 from ddpflow.data import factory, prepared
+from ddpflow.data.crops import eval_sizes
 from ddpflow.data.loaders import Normalize, TrainBatches, choose_loader, val_batches
 from ddpflow.data.mixing import Recipe
+from ddpflow.data.sampling import Spec, dataset_labels, spec_of
+from ddpflow.seams import sampleweights
 
 
 @dataclass
@@ -76,13 +82,15 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                          cfg.data.persistent_workers, prefetch, trace=trace,
                          recipe=recipe and replace(recipe, num_classes=meta["num_classes"]),
                          image_size=cfg.data.image_size,
-                         max_bad=cfg.data.max_bad_fraction, accum=accum)
-    # validation and test: unaugmented, the standard centre crop (held on the device by
+                         max_bad=cfg.data.max_bad_fraction, accum=accum,
+                         sampling=sampling(cfg, train_y, len(train_y), meta["num_classes"]),
+                         interpolation=cfg.data.interpolation)
+    # validation and test: unaugmented, the evaluation's centre crop (held on the device by
     # the device loader; the test split only once, at the stage's end)
     held = {split: val_batches(*arrays[split], d.device, d.world, d.rank, normalize,
-                               resident=kind == "device" and split == "val",
-                               image_size=cfg.data.image_size, split=split,
-                               max_bad=cfg.data.max_bad_fraction) for split in ("val", "test")}
+                               resident=kind == "device" and split == "val", split=split,
+                               max_bad=cfg.data.max_bad_fraction, crop=eval_sizes(cfg.data))
+            for split in ("val", "test")}
     test = held["test"] if len(arrays["test"][1]) else None
     return Pipeline(train, held["val"], test, kind, reason, meta["num_classes"], channels,
                     len(train_y), normalize)
@@ -92,8 +100,16 @@ def _user_dataset(cfg, d, meta, batch_size, trace, accum: int) -> Pipeline:
     train_ds, val_ds = factory.dataset(cfg, "train"), factory.dataset(cfg, "val")
     info = factory.describe(train_ds, factory.check_item(train_ds, "train", cfg))
     factory.check_item(val_ds, "val", cfg, info["in_channels"])
+    labels = dataset_labels(train_ds, f"data.factory {cfg.data.factory}")
+    if labels is None and cfg.data.sampling == "balanced":
+        raise UserError(f"data.sampling balanced draws each class equally often, and the "
+                        f"data.factory {cfg.data.factory} dataset does not say its samples' "
+                        f"classes; give it `targets` (a class index per sample, as "
+                        f"torchvision's datasets have), or set data.materialize: true")
     train = factory.FactoryBatches(train_ds, batch_size, d.device, d.world, d.rank, cfg.seed,
-                                   cfg.data, trace, accum)
+                                   cfg.data, trace, accum, sampling(
+                                       cfg, labels, len(train_ds), info["num_classes"]
+                                       or meta.get("num_classes")), labels)
 
     def held_out(split: str):
         def batches(val_batch: int):
@@ -106,3 +122,24 @@ def _user_dataset(cfg, d, meta, batch_size, trace, accum: int) -> Pipeline:
                     f"data.source python ({cfg.data.factory})",
                     info["num_classes"] or meta.get("num_classes"), info["in_channels"],
                     len(train_ds))
+
+
+def sampling(cfg, labels, n: int, num_classes: int | None) -> Spec:
+    """The stage's sampling (data.sampling...), the weights called and checked here, the
+    same on every rank (seams/sampleweights.py)."""
+    weights = None
+    if cfg.data.sampling == "weights":
+        plain = None if labels is None else np.asarray(labels, dtype=np.int64)
+        weights = sampleweights.sample_weights(cfg, plain, n)
+        sampleweights.agree(weights, cfg.data.sample_weights)
+    return spec_of(cfg.data, weights, num_classes)
+
+
+def check_sampling(cfg, meta: dict) -> None:
+    """data.sampling over prepared data, before any rank starts: the weights callable's
+    result and every class's samples, one message here rather than one per rank."""
+    if meta.get("kind") == "python" or cfg.data.sampling == "uniform":
+        return
+    _, arrays = prepared.load(cfg.data_dir)
+    labels = np.asarray(arrays["train"][1])
+    sampling(cfg, labels, len(labels), meta["num_classes"]).draws(labels)

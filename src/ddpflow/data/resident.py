@@ -24,12 +24,17 @@ from ddpflow.data.shards import JpegImages
 def read_rows(images, labels, idx):
     """(uint8 images, labels, idx kept, [(index, reason)] unreadable) of rows idx: raw arrays
     are read as they are, JPEG shards decoded on the CPU (in ascending file order)."""
+    x, y, kept, bad = read_kept(images, labels, idx)
+    return x, y, np.asarray(idx, dtype=np.int64)[kept], bad
+
+
+def read_kept(images, labels, idx):
+    """read_rows, with the positions in idx of the rows kept instead of their indices."""
     idx = np.asarray(idx, dtype=np.int64)
     if isinstance(images, JpegImages):
         x, kept, bad = images.fetch(idx)
-        idx = idx[kept]
-        return x, labels[idx], idx, bad
-    return images[idx], labels[idx], idx, []
+        return x, labels[idx[kept]], np.asarray(kept, dtype=np.int64), bad
+    return images[idx], labels[idx], np.arange(len(idx)), []
 
 
 def upload(images, labels, idx, device: torch.device, bad,

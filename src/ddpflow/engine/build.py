@@ -19,7 +19,7 @@ from ddpflow.data.pipeline import open_pipeline
 from ddpflow.engine import distributed, layout, sharding
 from ddpflow.engine.efficiency import peak_flops, replicas
 from ddpflow.engine.ema import Ema, open_ema
-from ddpflow.engine.runtime import build_optimizer, lr_factor, schedule
+from ddpflow.engine.runtime import build_optimizer, decay_boundaries, lr_factor, schedule
 from ddpflow.engine.settings import mixed_precision
 from ddpflow.engine.state import StageSetup
 from ddpflow.engine.weights import start_weights
@@ -165,7 +165,9 @@ def optimizer_parts(model, st, global_batch: int, steps_per_epoch: int, total_st
     lr = st.lr * lr_factor(st.lr_scaling, global_batch, st.lr_reference_batch)
     opt = build_optimizer(model, st, lr, device)  # fused where possible
     warmup = round(st.warmup_epochs * steps_per_epoch)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(st.schedule, warmup, total_steps))
+    rule = schedule(st.schedule, warmup, total_steps, st.lr_min / st.lr,
+                    decay_boundaries(st, steps_per_epoch, total_steps), st.lr_gamma)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rule)
     return (lr, opt, sched, *mixed_precision(precision, device))
 
 

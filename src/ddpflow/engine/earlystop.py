@@ -57,6 +57,9 @@ def check(rule: StopRule | None, so_far: dict, metrics: dict, at: dict) -> dict:
         raise UserError(f"{rule.where}.stop.monitor {name} is not a validation metric of task "
                         f"{rule.task_name}; it reports {', '.join(metrics)}")
     value, st = metrics[name], dict(so_far)
+    if not isinstance(value, (int, float)):
+        raise UserError(f"{rule.where}.stop.monitor {name} is one value per class, and "
+                        f"stopping needs one number; monitor val_balanced_acc (their mean)")
     better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
     if st.get("best") is None or better(value, st["best"]):
         st["best"], st["bad_validations"] = value, 0

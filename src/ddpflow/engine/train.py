@@ -46,7 +46,7 @@ from ddpflow.engine.runtime import trace_file
 from ddpflow.engine.state import StageEnd, TrainState
 from ddpflow.engine.step import StepCounters, divergence, micro_step, update
 from ddpflow.engine.stopcontrol import HALTED, PREEMPTED, StopControl
-from ddpflow.engine.validation import Validator, best_after
+from ddpflow.engine.validation import Validator, best_after, metrics_text
 from ddpflow.results.metrics import MetricsLog
 from ddpflow.results.provenance import init_source
 from ddpflow.results.wallclock import WallClock, process_start
@@ -254,8 +254,7 @@ class Trainer:
             self.logger.log.write({"kind": "val", "step": state.step, "epoch": state.epoch,
                                    **metrics, "time_s": state.elapsed_s + time.perf_counter()
                                    - self.t_start})
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-            self.say(f"epoch {state.epoch}: {shown}")
+            self.say(f"epoch {state.epoch}: {metrics_text(metrics)}")
         self.clock.lap("validation")
 
     # ------------------------------------------------------------------ checkpoint, finish
@@ -288,7 +287,7 @@ class Trainer:
         if self.data.test and not (self.diverged or self.halted):
             test_metrics = self.validator.test_metrics(plain, self.parts.ema,
                                                        self.data.test)  # all ranks: syncs
-            self.say("test: " + ", ".join(f"{k} {v:.4f}" for k, v in test_metrics.items()))
+            self.say("test: " + metrics_text(test_metrics))
         # every rank's weights hashed (DDP must have kept them identical, on one node or
         # several; FSDP's, gathered whole once), with its host and memory
         weights, own_hash = self.checkpointer.final_weights()

@@ -125,17 +125,51 @@ class MetricSums:
             for i, v in enumerate(pair):
                 held[i] = held[i] + (v.double() if isinstance(v, torch.Tensor) else v)
 
-    def reduce(self, d) -> dict[str, float]:
-        # ranks agree on the names first: a rank without validation batches has none
-        names = sorted(set().union(*distributed.gather_objects(d, sorted(self.sums))))
-        pairs = [self.sums.get(k, [0, 0]) for k in names]
-        # the host's numbers in one tensor (one copy per validation), the device's added
-        host = torch.tensor([[0.0 if isinstance(v, torch.Tensor) else float(v) for v in p]
-                             for p in pairs], dtype=torch.float64, device=self.device)
-        for row, p in zip(host, pairs):
-            for i, v in enumerate(p):
-                if isinstance(v, torch.Tensor):
-                    row[i] += v.to(self.device).sum()
-        totals = distributed.all_sum(d, host.reshape(len(names), 2))
-        return {f"val_{k}": (t / c if c else float("nan"))
-                for k, (t, c) in zip(names, totals.tolist())}
+    def reduce(self, d) -> dict:
+        """{"val_<name>": sum / count} over every rank (a vector metric: a list, None where
+        its count is 0), and what the task's `summarize` makes of them."""
+        # ranks agree on the names (and vector lengths) first: a rank without validation
+        # batches has none
+        sizes: dict = {}
+        for every in distributed.gather_objects(d, {k: _size(p) for k, p in self.sums.items()}):
+            sizes.update(every)
+        names = sorted(sizes)
+        # the host's numbers and the device's tensors in one [rows, 2] tensor: one all-reduce
+        table = torch.zeros(sum(sizes[k] or 1 for k in names), 2, dtype=torch.float64,
+                            device=self.device)
+        row = 0
+        for k in names:
+            rows = table[row:row + (sizes[k] or 1)]
+            for i, v in enumerate(self.sums.get(k, [0, 0])):
+                rows[:, i] += (v.to(self.device).reshape(-1) if isinstance(v, torch.Tensor)
+                               else float(v))
+            row += sizes[k] or 1
+        totals, row, out = distributed.all_sum(d, table).tolist(), 0, {}
+        for k in names:
+            part = totals[row:row + (sizes[k] or 1)]
+            row += sizes[k] or 1
+            if sizes[k] is None:
+                out[k] = part[0][0] / part[0][1] if part[0][1] else float("nan")
+            else:
+                out[k] = [t / c if c else None for t, c in part]
+        summarize = getattr(self.task, "summarize", None)
+        if callable(summarize):  # e.g. balanced accuracy from the per-class recall
+            out.update(summarize(dict(out)))
+        return {f"val_{k}": v for k, v in out.items()}
+
+
+def _size(pair) -> int | None:
+    """A metric's length: None for a scalar, K for a vector of K entries (one per class)."""
+    v = pair[0]
+    return v.numel() if isinstance(v, torch.Tensor) and v.ndim > 0 else None
+
+
+def metrics_text(metrics: dict) -> str:
+    """'val_acc 0.9120, val_recall min 0.4100 max 0.9900 of 10 classes': a line's worth."""
+    def one(k, v):
+        if isinstance(v, list):
+            known = [x for x in v if x is not None]
+            return (f"{k} min {min(known):.4f} max {max(known):.4f} of {len(v)} classes"
+                    if known else f"{k} -")
+        return f"{k} {v:.4f}"
+    return ", ".join(one(k, v) for k, v in metrics.items())

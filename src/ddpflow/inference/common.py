@@ -5,6 +5,7 @@ Image files go the way prepared data went, then the way validation goes:
     decode (any mode -> RGB or L), resize the short side to store_size and keep the centre
     square (prepare's rule, imagefolder.decode_file)
     -> (x/255 - mean) / std  -> resize to image_size / 0.875, keep the centre image_size
+       (data.eval_resize_size and eval_crop_size where set; data.interpolation's filter)
 so `predict` on a file gives what `evaluate` gives on the same file.
 """
 
@@ -83,12 +84,14 @@ def stage_model(cfg: Config, meta: dict, stage: str, kind: str = "final"):
     return model.eval(), record
 
 
-def preprocess(mean, std, image_size: int, channels: int, device):
-    """uint8 NHWC stored-size images -> normalised float NCHW at image_size: validation's
-    own Normalize and centre crop (loaders.val_batches), so the numbers are the same."""
+def preprocess(mean, std, image_size: int, channels: int, device,
+               crop: crops.EvalCrop | None = None):
+    """uint8 NHWC stored-size images -> normalised float NCHW: validation's own Normalize
+    and centre crop (loaders.val_batches; `crop` None: to image_size), so the numbers are
+    the same."""
     norm = Normalize(mean, std, device, channels, channels_last=False)
-    return lambda x: crops.center_crop(norm(x.to(device, non_blocking=True)),
-                                   image_size).contiguous()
+    crop = crop or crops.EvalCrop(image_size)
+    return lambda x: crop(norm(x.to(device, non_blocking=True))).contiguous()
 
 
 def image_files(args: list[str]) -> list[str]:
@@ -161,7 +164,10 @@ class Tally:
         precision = tp / conf.sum(0).clamp(min=1)
         recall = tp / conf.sum(1).clamp(min=1)
         f1 = 2 * precision * recall / (precision + recall).clamp(min=1e-12)
+        held = conf.sum(1) > 0  # the classes the split has: their mean recall
+        balanced = recall[held].mean().item() if held.any() else None
         return {"samples": n, "acc": tp.sum().item() / n if n else None,
+                "balanced_acc": balanced,
                 "top5": top5 / n if n else None, "loss": loss / n if n else None,
                 "confusion": conf.tolist(),
                 "per_class": {"precision": precision.tolist(), "recall": recall.tolist(),

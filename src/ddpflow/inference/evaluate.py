@@ -23,7 +23,7 @@ from ddpflow.core import reading, writing
 from ddpflow.core.errors import UserError
 from ddpflow.core.quoting import write_csv
 from ddpflow.core.writing import remove_scratch, write_json_atomic
-from ddpflow.data import imagefolder, prepared
+from ddpflow.data import crops, imagefolder, prepared
 from ddpflow.data.loaders import host_batch, read_ahead
 from ddpflow.data.prepare import check_settings
 from ddpflow.data.splits import SPLIT_LIKE
@@ -148,7 +148,8 @@ def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: 
     model, record = stage_model(cfg, meta, stage, weights)
     model.to(d.device)
     pre = preprocess(meta["mean"], meta["std"], cfg.data.image_size,
-                     input_channels(cfg.model.name, meta["image_shape"][2]), d.device)
+                     input_channels(cfg.model.name, meta["image_shape"][2]), d.device,
+                     crops.eval_sizes(cfg.data))
     if images:
         files, labels = _labelled_folder(images, meta["classes"])
         mine = share(len(files), d.rank, d.world).tolist()

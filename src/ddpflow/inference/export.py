@@ -74,6 +74,10 @@ CLASSIFIER_SCHEMA = {
         "image_size": {"type": "integer", "minimum": 1, "maximum": 8192},
         "store_size": {"type": "integer", "minimum": 1, "maximum": 8192},
         "grayscale": {"type": "boolean"},
+        "eval_crop": {"type": "object", "required": ["crop"], "properties": {
+            "crop": {"type": "integer", "minimum": 1, "maximum": 8192},
+            "resize": {"type": ["integer", "null"], "minimum": 1, "maximum": 8192},
+            "interpolation": {"enum": ["bilinear", "bicubic"]}}},
         "mean": _NUMBERS,
         "std": {**_NUMBERS, "items": {"type": "number", "exclusiveMinimum": 0}}}}
 
@@ -153,7 +157,7 @@ def _check_batch(cfg: Config, meta: dict, channels: int) -> torch.Tensor:
     _, arrays = prepared.load(cfg.data_dir)
     images = arrays["val"][0] if len(arrays["val"][0]) else arrays["train"][0]
     pre = preprocess(meta["mean"], meta["std"], cfg.data.image_size, channels,
-                     torch.device("cpu"))
+                     torch.device("cpu"), crops.eval_sizes(cfg.data))
     return pre(torch.from_numpy(np.array(images[:CHECK_IMAGES])))
 
 
@@ -266,6 +270,7 @@ WRITERS = {"safetensors": _safetensors, "torchscript": _torchscript, "onnx": _on
 
 def _spec(cfg: Config, meta: dict, record: dict, channels: int, checks: dict,
           folder: Path) -> dict:
+    crop = crops.eval_sizes(cfg.data)  # what predict repeats (eval_crop)
     files = {fmt: {"file": name, "sha256": sha256_of(folder / name),
                    "bytes": (folder / name).stat().st_size}
              for fmt, name in FILES.items() if (folder / name).is_file()}
@@ -281,9 +286,8 @@ def _spec(cfg: Config, meta: dict, record: dict, channels: int, checks: dict,
         "crop": {"decode": f"RGB (or L when grayscale), short side resized to "
                            f"{cfg.data.store_size} (bilinear), centre square kept",
                  "normalize": "(x / 255 - mean) / std per channel",
-                 "eval": f"resize to {crops.eval_resize(cfg.data.image_size)} (bilinear, "
-                         f"antialiased) unless already {cfg.data.image_size}, centre crop "
-                         f"{cfg.data.image_size}"},
+                 "eval": crops.eval_sizes(cfg.data).describe()},
+        "eval_crop": {"crop": crop.crop, "resize": crop.resize, "interpolation": crop.mode},
         "onnx_opset": OPSET, "files": files, "checks": checks,
         "check_rule": f"max |logit difference| <= {RTOL:g} x max(1, max |logit|) and the "
                       f"same top-1 class, on {CHECK_IMAGES} validation images",

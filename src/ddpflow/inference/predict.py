@@ -24,6 +24,7 @@ from ddpflow.core import reading, writing
 from ddpflow.core.checksum import sha256_of
 from ddpflow.core.errors import UserError
 from ddpflow.core.quoting import write_csv
+from ddpflow.data.crops import EvalCrop
 from ddpflow.inference.common import decode, image_files, preprocess
 from ddpflow.inference.export import CLASSIFIER_SCHEMA, MANIFEST_SCHEMA
 
@@ -116,8 +117,10 @@ def predict(bundle: str, inputs: list[str], out: str, top_k: int | None = None, 
     if top_k is not None and k < top_k:  # asked for more than there are: said once
         print(f"ddpflow: note: --top-k {top_k} is more than the model's "
               f"{spec['num_classes']} classes; writing {k} per image", file=sys.stderr)
+    ec = spec.get("eval_crop") or {"crop": spec["image_size"]}  # older bundles: the default
     pre = preprocess(spec["mean"], spec["std"], spec["image_size"], spec["input"]["channels"],
-                     dev)
+                     dev, EvalCrop(ec["crop"], ec.get("resize"), ec.get("interpolation",
+                                                                      "bilinear")))
     classes = spec["classes"]
     header = ["path", "class", "prob"] + [f"{c}_{i}" for i in range(2, k + 1)
                                           for c in ("class", "prob")] + ["error"]

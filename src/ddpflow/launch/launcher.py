@@ -135,6 +135,9 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
     add_code_dirs(cfg)
     model = _model_on_meta(cfg, meta)
     _check_seams(cfg, st, meta, model)
+    from ddpflow.data.pipeline import check_sampling
+
+    check_sampling(cfg, meta)  # data.sample_weights' result, every class for balanced
     if model is not None:  # model.shard_blocks / activation_checkpointing name its blocks
         from ddpflow.engine.build import model_blocks
 

@@ -36,6 +36,7 @@ from ddpflow.tracking.records import flat
 COLUMNS = ["stage", "finished", "epochs", "steps", "monitor", "best_value",
            "final_val_acc", "best_val_acc",
            "final_val_loss", "best_val_loss", "test_acc", "test_loss",
+           "final_val_balanced_acc", "test_balanced_acc",
            "time_to_target_s", "early_stop",
            "wall_time_s", "wall_samples_per_s",
            "startup_s", "train_s", "data_wait_s", "validation_s", "checkpoint_s", "teardown_s",
@@ -208,12 +209,14 @@ def _collect(cfg: Config, out: Path, repo: Path | None) -> dict:
                "checkpoints": index, "figures": sorted(figures),
                "evaluation": evaluation, "export": bundle,
                "config": cfg.to_dict()}
-    metric_columns = sorted({k for r in rows for k in r if k.startswith(("final_val_",
-                                                                          "best_val_"))}
-                            - set(COLUMNS))
+    # a number per cell: per-class lists (val_recall) stay in summary.json and the report
+    metric_columns = sorted({k for r in rows for k, v in r.items()
+                             if k.startswith(("final_val_", "best_val_"))
+                             and not isinstance(v, list)} - set(COLUMNS))
     write_csv(out / "summary.csv", COLUMNS + metric_columns, rows)
-    write_text_atomic(out / "report.html", render(cfg, summary, man, figures, metric))
-    write_text_atomic(out / "headline.txt", headline(cfg, rows, evaluation))
+    classes = (_read_json(cfg.data_dir / "meta.json") or {}).get("classes")
+    write_text_atomic(out / "report.html", render(cfg, summary, man, figures, metric, classes))
+    write_text_atomic(out / "headline.txt", headline(cfg, rows, evaluation, classes))
     write_json_atomic(out / "summary.json", summary)  # last: it says the collect finished
     finish_workflow_run(cfg, [out / n for n in OUTPUTS]  # tracking.mlflow: the report
                         + sorted(out.glob("*.png")) + folders, params=flat(cfg.to_dict()),
@@ -260,7 +263,23 @@ def monitored(cfg: Config, rows: list[dict]) -> str:
     return cfg.task.monitor or ("val_acc" if cfg.task.name == "classification" else "val_loss")
 
 
-def headline(cfg: Config, rows: list[dict], evaluation: dict | None = None) -> str:
+def imbalance_text(r: dict, classes: list | None) -> str | None:
+    """'balanced acc 0.8120, lowest class recall 0.4100 (cat)': a classification stage's
+    figures that show imbalance (None for other tasks)."""
+    bal, recall = r.get("final_val_balanced_acc"), r.get("final_val_recall")
+    if bal is None:
+        return None
+    text = f"balanced acc {bal:.4f}"
+    known = [(v, i) for i, v in enumerate(recall or []) if v is not None]
+    if known:
+        low, i = min(known)
+        name = classes[i] if classes and i < len(classes) else f"class {i}"
+        text += f", lowest class recall {low:.4f} ({name})"
+    return text
+
+
+def headline(cfg: Config, rows: list[dict], evaluation: dict | None = None,
+             classes: list | None = None) -> str:
     lines = [f"ddpflow run '{cfg.run}': {cfg.run_dir / 'summary' / 'report.html'}"]
     for r in rows:
         if r["finished"]:
@@ -276,6 +295,9 @@ def headline(cfg: Config, rows: list[dict], evaluation: dict | None = None) -> s
                          f"on {r['world_size']} rank(s), {r['precision']}"
                          + (f"  (target reached after {r['time_to_target_s']:.0f} s)"
                             if r.get("time_to_target_s") is not None else ""))
+            imbalance = imbalance_text(r, classes)
+            if imbalance:  # on the validation split
+                lines.append(f"  {'':12s} val {imbalance}")
         else:
             what = "STALE" if r.get("stale") else "NOT FINISHED"
             lines.append(f"  {r['stage']:12s} {what} ({r['note']})")
@@ -283,8 +305,10 @@ def headline(cfg: Config, rows: list[dict], evaluation: dict | None = None) -> s
         # the same weights as the stage's test_acc when it trained in fp32; in bf16 or fp16
         # the stage's own figure differs in the 4th digit: say which is which
         w = evaluation["weights"]
+        bal = evaluation.get("balanced_acc")
         lines.append(f"  test split   acc {evaluation['acc']:.4f}, top-5 {evaluation['top5']:.4f}"
-                     f" on {evaluation['samples']} held-out images: `ddpflow evaluate` of "
+                     + (f", balanced acc {bal:.4f}" if bal is not None else "")
+                     + f" on {evaluation['samples']} held-out images: `ddpflow evaluate` of "
                      f"{evaluation['stage']}'s {Path(w.get('file') or 'final.pt').name} "
                      f"({w['holds']} weights) in fp32")
     return "\n".join(lines) + "\n"

@@ -53,7 +53,7 @@ def _img(path: Path, alt: str) -> str:
 
 
 def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
-           metric: str = "val_acc") -> str:
+           metric: str = "val_acc", classes: list | None = None) -> str:
     rows = summary["stages"]
     state = ('<span class="ok">finished</span>' if summary["finished"]
              else '<span class="bad">NOT FINISHED</span>')
@@ -68,6 +68,9 @@ def render(cfg: Config, summary: dict, manifest: dict, figures: dict[str, Path],
     keys = ["stage", f"final_{metric}", "best_value", test, "steps", "wall_time_s", "startup_s",
             "wall_samples_per_s", "mean_samples_per_s", "samples_per_s_per_rank",
             "data_wait_fraction", "world_size", "precision", "global_batch"]
+    if any(r.get("final_val_balanced_acc") is not None for r in rows) \
+            and metric != "val_balanced_acc":  # classification: what imbalance shows in
+        head[2:2], keys[2:2] = ["val balanced acc"], ["final_val_balanced_acc"]
     trs = []
     for r in rows:
         r = {**r, "data_wait_fraction": (f"{100 * r['data_wait_fraction']:.1f} %"
@@ -102,12 +105,39 @@ git revision <code>{html_text(str(manifest.get('git_revision')))}</code>,
 torch {html_text(str(manifest.get('torch')))}</p>
 <h2>Headline</h2>{headline}
 <h2>Plots</h2>{imgs or '<p>No metrics recorded yet.</p>'}
+{_per_class(rows, classes)}
 {_held_out(summary)}
 {_memory(rows)}
 <h2>Stages</h2>{''.join(details)}
 <h2>Manifest</h2><pre id="manifest">{man}</pre>
 </body></html>
 """
+
+
+def _per_class(rows: list[dict], classes: list | None) -> str:
+    """Each class's recall (right answers over its samples) per finished classification
+    stage, on the validation split (and the test split where the stage had one): the
+    lowest of each column marked. The first 100 classes."""
+    cols = [(r["stage"], split, r.get(f"{'final_val' if split == 'val' else 'test'}_recall"))
+            for r in rows if r.get("finished") for split in ("val", "test")]
+    cols = [c for c in cols if isinstance(c[2], list)]
+    if not cols:
+        return ""
+    n = max(len(c[2]) for c in cols)
+    lows = [min((v for v in c[2] if v is not None), default=None) for c in cols]
+
+    def cell(values, i, low):
+        v = values[i] if i < len(values) else None
+        return (f'<td class="bad">{_fmt(v)}</td>' if v is not None and v == low
+                else f"<td>{_fmt(v)}</td>")
+    head = "".join(f"<th>{html_text(stage)} ({split})</th>" for stage, split, _ in cols)
+    trs = "".join(f"<tr><td>{_fmt(classes[i] if classes and i < len(classes) else i)}</td>"
+                  + "".join(cell(c[2], i, low) for c, low in zip(cols, lows)) + "</tr>"
+                  for i in range(min(n, 100)))
+    return (f'<h2>Recall per class</h2><p>Per class: the share of its images classified '
+            f'right (a class the split lacks: –); their mean is the balanced accuracy, the '
+            f'lowest of each column in red</p><table id="recall"><tr><th>class</th>{head}'
+            f'</tr>{trs}</table>')
 
 
 def _memory(rows: list[dict]) -> str:

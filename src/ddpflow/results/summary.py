@@ -9,7 +9,9 @@ from ddpflow.core.errors import UserError
 from ddpflow.core.writing import write_json_atomic
 
 _NUMBER = {"type": ["number", "null"]}
-_METRICS = {"type": ["object", "null"], "additionalProperties": _NUMBER}
+# a metric: a number, or one per class (a list, null where the split has none of it)
+_METRIC = {"anyOf": [_NUMBER, {"type": "array", "items": _NUMBER}]}
+_METRICS = {"type": ["object", "null"], "additionalProperties": _METRIC}
 # summary.json as its readers use it (core/reading.py validates it before any field is used)
 SUMMARY_SCHEMA = {
     "type": "object", "required": ["finished"],
@@ -27,7 +29,7 @@ SUMMARY_SCHEMA = {
         "final_sha256": {"type": ["string", "null"]},
         "early_stop": {"type": ["object", "null"], "required": ["step", "reason"]},
         "environment": {"type": ["object", "null"]}},
-    "patternProperties": {"^test_(?!metrics$)": _NUMBER},
+    "patternProperties": {"^test_(?!metrics$)": _METRIC},
     "if": {"properties": {"finished": {"const": True}}},
     "then": {"required": ["steps", "wall_time_s", "world_size"]}}
 WHAT = "stage summary"

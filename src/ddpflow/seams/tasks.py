@@ -7,10 +7,13 @@ A task is any object with two methods (the built-ins below are written the same 
 
 `batch` is the `(inputs, targets)` pair the data gives. Metric sums and counts are summed
 on the device, all-reduced across ranks once per validation (one sync point) and
-reported as `val_<name>` = sum / count. A metric named `loss` replaces the default
-validation loss (the training loss times the batch size). Optional attributes:
-`monitor` (the `val_<name>` that chooses best.pt by default) and `maximize` (names
-where higher is better; the others are minimised).
+reported as `val_<name>` = sum / count. A sum and count may be 1-D tensors of one length
+(a value per class, say): `val_<name>` is then a list (None where the count is 0). A
+metric named `loss` replaces the default validation loss (the training loss times the
+batch size). Optional attributes: `monitor` (the `val_<name>` that chooses best.pt by
+default), `maximize` (names where higher is better; the others are minimised) and
+`summarize(metrics) -> {name: value}` (figures made from the reduced ones: the
+classification task's balanced accuracy from its per-class recall).
 
 `task.name: package.module:callable` builds a user task from `task.kwargs` (plus
 `label_smoothing` and `num_classes` where the callable takes them).
@@ -30,10 +33,11 @@ from ddpflow.seams.userimport import call, is_import_path, load_callable
 
 
 class Classification:
-    """Cross-entropy with label smoothing; top-1 and top-5 accuracy."""
+    """Cross-entropy with label smoothing; top-1 and top-5 accuracy, the recall of each
+    class and their mean, the balanced accuracy (what imbalanced data needs shown)."""
 
     monitor = "val_acc"
-    maximize = frozenset({"acc", "top5"})
+    maximize = frozenset({"acc", "top5", "balanced_acc"})
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
@@ -46,9 +50,20 @@ class Classification:
         n = torch.full((), float(len(y)), device=y.device)  # a fill there, not a copy
         k = min(5, logits.shape[1])
         top = logits.topk(k, dim=1).indices
+        classes = logits.shape[1]
+        hit = top[:, 0] == y
         return {"loss": (F.cross_entropy(logits, y, reduction="sum"), n),  # no smoothing
-                "acc": ((top[:, 0] == y).sum(), n),
-                "top5": ((top == y[:, None]).any(1).sum(), n)}
+                "acc": (hit.sum(), n),
+                "top5": ((top == y[:, None]).any(1).sum(), n),
+                # per class: right answers over its samples (a vector: one entry a class)
+                "recall": (torch.bincount(y[hit], minlength=classes),
+                           torch.bincount(y, minlength=classes))}
+
+    @staticmethod
+    def summarize(metrics: dict) -> dict:
+        """The balanced accuracy: the mean recall over the classes the split holds."""
+        known = [r for r in metrics.get("recall") or () if r is not None]
+        return {"balanced_acc": sum(known) / len(known)} if known else {}
 
 
 class Regression:
@@ -147,6 +162,9 @@ def improves(metrics: dict, name: str, mode: str, best, task_name: str) -> bool:
         raise UserError(f"task.monitor {name} is not a validation metric of task {task_name}; "
                         f"it reports {', '.join(metrics)}")
     value = metrics[name]
+    if not isinstance(value, (int, float)):
+        raise UserError(f"task.monitor {name} is one value per class, and a stage is judged "
+                        f"by one number; monitor val_balanced_acc (their mean) or val_acc")
     return best is None or (value > best if mode == "max" else value < best)
 
 
