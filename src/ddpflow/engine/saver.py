@@ -9,10 +9,25 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from ddpflow.core.errors import OneRankError, UserError
 from ddpflow.engine import checkpoint
 from ddpflow.engine.stagelog import write_best
 from ddpflow.engine.state import StageFiles, TrainState
 from ddpflow.seams.models import unwrap
+
+
+class RankZeroWriter(checkpoint.BackgroundWriter):
+    """Rank 0's writes (best.pt; a DDP checkpoint): a place that cannot take them (a full
+    disk) is a mistake rank 0 alone finds while the other ranks train on, so it is raised as
+    OneRankError (reported, rank 0 waits to be stopped with them: no rank crashes first)."""
+
+    def wait(self) -> None:
+        try:
+            super().wait()
+        except OneRankError:
+            raise
+        except UserError as e:
+            raise OneRankError(str(e)) from None
 
 
 class Saver:
@@ -21,7 +36,7 @@ class Saver:
     def __init__(self, files: StageFiles, keep_last: int, background: bool, d=None,
                  sharded: bool = False):
         self.files, self.keep_last = files, keep_last
-        self.writer = checkpoint.BackgroundWriter(background)
+        self.writer = RankZeroWriter(background)
         self.host_copy = checkpoint.HostCopy()
         self.shards = None
         if sharded:  # every rank: a collective (the writer's own process group)

@@ -18,7 +18,7 @@ import torch
 
 from ddpflow.config import Config
 from ddpflow.core import lazydynamo, locks, quoting, reading
-from ddpflow.core.errors import UserError
+from ddpflow.core.errors import OneRankError, UserError
 from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
@@ -328,6 +328,7 @@ def complete_wall(cfg: Config, stage: str, t0: float) -> None:
 
 
 RANK_ERROR = "error.json"  # a user mistake found inside a rank (see report_rank_error)
+ONE_RANK_WAIT_S = 60.0  # a rank that alone found a mistake waits this long to be stopped
 
 
 def report_rank_error(folder: Path, err: UserError) -> None:
@@ -336,6 +337,8 @@ def report_rank_error(folder: Path, err: UserError) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(folder / RANK_ERROR, {"message": str(err),
                                             "rank": int(os.environ.get("RANK", 0))})
+    if isinstance(err, OneRankError):  # its peers wait in a collective: the launcher stops
+        time.sleep(ONE_RANK_WAIT_S)    # every rank together, a few seconds from now
 
 
 def refuse_repeated_divergence(cfg: Config, stage: str) -> None:
