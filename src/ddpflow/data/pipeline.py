@@ -92,13 +92,15 @@ def _user_dataset(cfg, d, meta, batch_size, trace, accum: int) -> Pipeline:
     train_ds, val_ds = factory.dataset(cfg, "train"), factory.dataset(cfg, "val")
     info = factory.describe(train_ds, factory.check_item(train_ds, "train", cfg))
     factory.check_item(val_ds, "val", cfg, info["in_channels"])
+    classify = cfg.task.name == "classification"  # targets are class indices: checked
     train = factory.FactoryBatches(train_ds, batch_size, d.device, d.world, d.rank, cfg.seed,
-                                   cfg.data, trace, accum)
+                                   cfg.data, trace, accum, classify)
 
     def held_out(split: str):
         def batches(val_batch: int):
             ds = val_ds if split == "val" else factory.dataset(cfg, "test")  # at the end only
-            return factory.val_batches(ds, val_batch, d.device, d.world, d.rank, cfg.data)
+            return factory.val_batches(ds, val_batch, d.device, d.world, d.rank, cfg.data,
+                                       split, classify)
         return batches
 
     test = held_out("test") if meta["counts"].get("test", {}).get("total") else None
