@@ -49,6 +49,7 @@ ROWS = [  # (dataset, classify, the message; None: every batch passes)
     (Items("label"), True, "item 200 of the 'train' dataset has label 9, out of range for its "
                            "4 classes (its num_classes / classes); expected a class index in "
                            "[0, 4)"),
+    (Items("label", at=203), True, "item 203 of the 'train' dataset has label 9"),
     (Items("negative", declare=False), True, "item 200 of the 'train' dataset has label -1, "
                                              "out of range for its classes; expected a class "
                                              "index in 0 or more"),

@@ -357,7 +357,7 @@ def check_log_place(path: str | Path, inputs: dict[str, str]) -> Path:
                 same = os.path.samefile(path, other)
             except OSError:
                 continue
-            if not same:
+            if same:
                 raise UserError(f"--log {path} is {what} of this command ({other}): the log "
                                 f"would be written over it; nothing was changed; {fix}")
     if path.suffix.lower() in NOT_A_LOG or path.name == "Snakefile":

@@ -102,7 +102,7 @@ def check_labels(y, indices: Sequence[int], classes: int | None, name: str, spli
         bad |= y >= classes
     if not bool(bad.any()):
         return
-    k = 0
+    k = int(bad.nonzero()[0, 0])
     item = indices[k] if k < len(indices) else f"#{k} of its batch"
     span = f"[0, {classes})" if classes else "0 or more"
     raise OneRankError(f"{name}: item {item} of the '{split}' dataset has label {int(y[k])}, out "
