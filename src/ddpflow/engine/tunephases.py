@@ -23,7 +23,7 @@ from ddpflow.core.errors import UserError
 from ddpflow.data.crops import center_crop
 from ddpflow.data.loaders import BadSamples, Normalize, TrainBatches, forever
 from ddpflow.data.resident import resident_split
-from ddpflow.engine import distributed
+from ddpflow.engine import distributed, tunebudget
 from ddpflow.engine.runtime import build_optimizer
 from ddpflow.engine.stepmemory import (
     SimulatedOOM,
@@ -44,7 +44,7 @@ def all_min(d, value: int) -> int:
     return int(t.item())
 
 
-def _throughput(model, batches, steps, amp_dtype, device, opt) -> tuple[float, float]:
+def _throughput(model, batches, steps, amp_dtype, device, opt, pace=None) -> tuple[float, float]:
     """(samples/s, data-wait share) over `steps` DDP training steps after 2 warm-up steps;
     fp16 with its GradScaler, as training runs it."""
     it = batches
@@ -52,7 +52,7 @@ def _throughput(model, batches, steps, amp_dtype, device, opt) -> tuple[float, f
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     wait = 0.0
     n = 0
-    for i in range(steps + 2):
+    for i in tunebudget.step_indices(pace, steps, device):  # timed steps cut to the budget
         if i == 2:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -187,7 +187,7 @@ class Probe:
                           workers > 0, prefetch, image_size=cfg.data.image_size,
                           resident=self.device_data() if loader == "device" else None)
         sps, wait = _throughput(run_model, forever(tb.epoch), cfg.tune.steps, DTYPES[prec],
-                                d.device, opt)
+                                d.device, opt, self.pace)
         return {"samples_per_s": sps * d.world, "data_wait_fraction": wait}
 
 
@@ -237,8 +237,7 @@ def search_batch(p: Probe, precision: str) -> dict:
 
 def _measured(p: Probe, what: str, *args) -> dict | None:
     """One throughput measurement with a progress line, or None when the budget is spent."""
-    if not p.pace.check():
-        p.pace.skip(what)
+    if not tunebudget.admits(p.pace, what):  # (budget spent, or it would end past it)
         return None
     try:
         row = p.measure(*args)
