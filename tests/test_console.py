@@ -187,3 +187,17 @@ def test_tee_goes_on_past_a_full_log_and_still_echoes(tmp_path, full_tmpfs, capf
     assert rc == 0 and tee.log_failed and "no space left" in tee.log_failed
     assert err.splitlines()[-1] == "ddpflow: the end" and err.count("warning") == 1, err
     assert 0 < (d / "x.log").stat().st_size <= 8192
+
+
+def test_a_config_that_does_not_read_is_the_commands_message_in_its_log(tmp_path):
+    """The log's check reads the config only to find the files it names; a broken one is
+    left to the command, whose one-line error lands in the log and on the console."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages: [unclosed\n")
+    log = tmp_path / "v.log"
+    proc = subprocess.run([sys.executable, "-m", "ddpflow", f"--log={log}", "validate",
+                           "--config", str(bad)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"ddpflow: error: config file {bad} is not valid YAML")
+    assert log.read_text() == proc.stderr

@@ -497,6 +497,17 @@ def test_validation_builds_the_model_only_when_it_must_and_never_on_a_guess(tmp_
         "test_size": None}, model={"name": "guess:build", "code_dir": str(code)}))
     assert needs_model(folder) and data_shape(folder) == (2, 3, False)
     check_model(folder)  # the builder fails on the guess: no refusal at validation
+    from ddpflow.core.errors import UserError
+
+    kwargs_on_a_guess = from_dict(tiny_config(tmp_path, stages=[FSDP_STAGE], data={
+        "source": "imagefolder", "path": str(tmp_path), "train_size": None, "val_size": None,
+        "test_size": None}, model={"kwargs": {"bogus": 1}}))
+    with pytest.raises(UserError, match="model.kwargs.bogus: smallcnn takes no argument"):
+        check_model(kwargs_on_a_guess)  # a kwargs mistake is one whatever the class count
+    damaged = tmp_path / "results/t/data"
+    damaged.mkdir(parents=True)
+    (damaged / "meta.json").write_text("{not json")
+    assert data_shape(folder) == (2, 3, False)  # a damaged meta.json: prepare rebuilds it
     synthetic = from_dict(tiny_config(tmp_path, stages=[FSDP_STAGE], model={
         "name": "guess:build", "code_dir": str(code)}))
     from ddpflow.core.errors import UserError

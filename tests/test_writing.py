@@ -493,3 +493,19 @@ def test_the_ranks_of_a_sharded_checkpoint_refuse_together(tmp_path):
     with pytest.raises(UserError, match="needed by 1 rank"):
         check_room([("n1", 7, 10_000_000, 6_000_000), ("n1", 8, 5_000_000, 6_000_000)],
                    tmp_path)
+
+
+def test_the_metrics_log_on_a_full_disk_is_one_message_of_rank_0(place):
+    """metrics.jsonl is appended by rank 0 alone while the others train on: a full stage
+    folder is one message naming it, raised as rank 0's alone (it waits to be stopped with
+    them, no peer traceback)."""
+    from ddpflow.core.errors import OneRankError
+    from ddpflow.results.metrics import MetricsLog
+
+    d = place("full")
+    log = MetricsLog(d / "metrics.jsonl", keep_until_step=None)
+    with pytest.raises(OneRankError) as e:
+        for step in range(100):
+            log.write({"step": step, "note": "x" * (64 << 10)})
+    assert str(e.value).startswith(f"cannot write the stage's metrics log at {d / 'metrics.jsonl'}"
+                                   f": no space left on the device")

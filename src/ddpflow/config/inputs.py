@@ -48,7 +48,7 @@ def command_inputs(args: argparse.Namespace) -> dict[str, str]:
         except UserError:
             raw = {}
         for where, text in _strings(raw, ""):
-            if len(text) < 4096 and "\0" not in text and os.path.isfile(text):
+            if os.path.isfile(text):
                 found[f"the file {where} names"] = text
     return found
 

@@ -349,7 +349,7 @@ def check_log_place(path: str | Path, inputs: dict[str, str]) -> Path:
     if os.path.exists(path):  # (a dangling symlink: its target is made, as `>` makes it)
         with writing(path, "the log"):
             kind = os.stat(path).st_mode
-        if stat.S_ISDIR(kind) or not stat.S_ISREG(kind):
+        if not stat.S_ISREG(kind):
             what = "a folder" if stat.S_ISDIR(kind) else "not a regular file"
             raise UserError(f"--log {path} is {what}; {fix}")
         for what, other in inputs.items():
@@ -360,8 +360,8 @@ def check_log_place(path: str | Path, inputs: dict[str, str]) -> Path:
             if same:
                 raise UserError(f"--log {path} is {what} of this command ({other}): the log "
                                 f"would be written over it; nothing was changed; {fix}")
-    if path.suffix.lower() in NOT_A_LOG or path.name == "Snakefile":
-        raise UserError(f"--log {path}: a log does not take the name of a "
-                        f"{path.suffix or path.name} file (a config, weights, data or code); "
+    if path.suffix.lower() in NOT_A_LOG:
+        raise UserError(f"--log {path}: a log does not take the name of a {path.suffix} file "
+                        f"(a config, weights, data or code); "
                         f"nothing was changed; {fix}")
     return path

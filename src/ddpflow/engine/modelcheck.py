@@ -29,7 +29,7 @@ def data_shape(cfg) -> tuple[int | None, int | None, bool]:
     source's; `known` False when they are a guess (an image folder not yet prepared)."""
     from ddpflow.data import prepared
 
-    meta = prepared.read_meta(cfg.data_dir)
+    meta = prepared.read_meta(cfg.data_dir, damaged_ok=True)  # (prepare rebuilds a damaged one)
     if meta is not None:
         channels = meta.get("in_channels") if meta.get("kind") == "python" else \
             meta["image_shape"][2]
@@ -49,7 +49,8 @@ def check_model(cfg, seen: set | None = None) -> None:
     if not needs_model(cfg):
         return
     d = cfg.to_dict()
-    key = repr((d["model"], d["data"]["source"], d["data"]["prepared_dir"],
+    key = repr((d["model"], [d["data"][k] for k in ("source", "prepared_dir", "num_classes",
+                                                    "grayscale")],
                 [(s["strategy"], s["activation_checkpointing"]) for s in d["stages"]]))
     if seen is not None:
         if key in seen:
