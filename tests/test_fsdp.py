@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -587,5 +588,48 @@ def test_a_full_disk_under_a_stage_is_one_message_from_every_rank(tmp_path, stra
                                                      "place"), last
         assert not [f for f in folder.rglob("*") if ".tmp" in f.name]
         assert not (folder / "final.pt").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path / "results")], check=False)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_mid_stage_is_one_message(tmp_path):
+    """The stage folder's disk fills up while the stage trains (another job's file): rank 0's
+    next write (the metrics log, or a checkpoint) is one message naming the place, though
+    the folder cannot even take the rank's error.json (it goes to the launcher's spare);
+    no rank's traceback, exit 2."""
+    _tmpfs(tmp_path / "results", "16m")
+    try:
+        raw = tiny_config(tmp_path, stages=[{"name": "s1", "epochs": 8, "batch_size": 16,
+                                             "lr": 0.05}],
+                          checkpoint={"every_steps": 8},
+                          data={"prepared_dir": str(tmp_path / "data"), "train_size": 2048})
+        p = write_config(tmp_path, raw)
+        ddpflow("prepare", "--config", p, check=True)
+        from conftest import REPO
+
+        run = subprocess.Popen([sys.executable, "-m", "ddpflow", "launch", "--config", str(p),
+                                "--stage", "s1"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        seen = []
+        for line in run.stderr:  # a log line after the first checkpoint: training goes on
+            seen.append(line)
+            if "step 12/" in line:
+                break
+        with open(tmp_path / "results" / "filler", "wb", buffering=0) as f:  # every page
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        out, err = run.communicate(timeout=300)
+        err = "".join(seen) + err
+        assert run.returncode == 2, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        folder = stage_dir(tmp_path)
+        assert last.startswith("ddpflow: error: ") and f"at {folder}" in last, last
+        assert "no space left on the device" in last or "not enough free space" in last, last
     finally:
         subprocess.run(["umount", "-l", str(tmp_path / "results")], check=False)

@@ -509,3 +509,36 @@ def test_the_metrics_log_on_a_full_disk_is_one_message_of_rank_0(place):
             log.write({"step": step, "note": "x" * (64 << 10)})
     assert str(e.value).startswith(f"cannot write the stage's metrics log at {d / 'metrics.jsonl'}"
                                    f": no space left on the device")
+
+
+def test_a_ranks_report_goes_to_the_launchers_spare_when_its_folder_is_full(place, tmp_path,
+                                                                          monkeypatch, capsys):
+    """The mistake may be that the stage folder's disk is full: error.json then goes to the
+    launcher's scratch folder (DDPFLOW_RANK_ERROR), which the launcher reads too."""
+    from ddpflow.launch import rankerror
+
+    d = place("full")
+    with open(d / "filler", "wb", buffering=0) as f:  # full to the last page
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        except OSError:
+            pass
+    err = UserError("cannot write the stage's metrics log at x: no space left on the device")
+    with rankerror.Reports(d / "stage") as reports:
+        monkeypatch.setenv(rankerror.SPARE, reports.env[rankerror.SPARE])
+        assert not reports.is_file()
+        rankerror.report(d / "stage", err)
+        assert reports.is_file() and reports.message() == str(err)
+        assert not (d / "stage" / "error.json").exists()
+        spare = reports.paths[1]
+    assert not spare.parent.exists()  # the scratch folder goes with the run
+    monkeypatch.setenv(rankerror.SPARE, str(tmp_path / "elsewhere" / "error.json"))
+    with pytest.raises(UserError):  # no spare on this node: said on stderr, then raised
+        rankerror.report(d / "stage", err)
+    assert capsys.readouterr().err == f"ddpflow: error: {err}\n"
+    ok = tmp_path / "stage"
+    with rankerror.Reports(ok) as reports:
+        rankerror.report(ok, err)  # a folder that takes it: there
+        assert (ok / "error.json").is_file() and reports.message() == str(err)

@@ -176,7 +176,7 @@ def _rank(args) -> int:
     from ddpflow.engine import stopflag
 
     stopflag.install()  # before the heavy imports: a stop signal in start-up is not lost
-    from ddpflow.launch.launcher import report_rank_error
+    from ddpflow.launch.rankerror import report as report_rank_error
 
     cfg = _resolved(args.resolved)
     folder = (cfg.stage_dir(args.stage) if args.command == "train" else

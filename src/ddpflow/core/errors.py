@@ -17,7 +17,7 @@ class UserError(Exception):
 class OneRankError(UserError):
     """A mistake that one rank alone finds (a bad item in its share of the data) while its
     peers go on into a collective with it. Once it is reported, the rank waits to be stopped
-    with the others (launcher.report_rank_error) instead of leaving: its peers would
+    with the others (launch/rankerror.report) instead of leaving: its peers would
     otherwise fail first on the closed connection, each with a traceback."""
 
 
