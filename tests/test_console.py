@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 from ddpflow.core.teelog import tee_log
@@ -62,3 +65,139 @@ def test_a_log_that_cannot_be_written_is_one_message_and_runs_nothing(tmp_path):
     assert proc.stderr.startswith("ddpflow: error: cannot write the log ") and \
         proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert blocker.read_text() == "mine"
+
+
+# ------------------------------------------------------------ the log is a place ddpflow writes
+def _cfg(tmp_path, **top):
+    from conftest import tiny_config, write_config
+
+    return write_config(tmp_path, tiny_config(tmp_path, **top))
+
+
+LOG_ROWS = [  # (class, argv after `ddpflow` ({c}: the config), words of the message)
+    ("the config itself (arguments swapped)", ["--log", "{c}", "validate", "--config", "{c}"],
+     ["--log {c} is the --config of this command ({c})", "nothing was changed"]),
+    ("a hard link to the config", ["--log", "{t}/hard.log", "validate", "--config", "{c}"],
+     ["--log {t}/hard.log is the --config of this command"]),
+    ("a symlink to the config", ["--log", "{t}/sym.log", "validate", "--config", "{c}"],
+     ["--log {t}/sym.log is the --config of this command"]),
+    ("a file the config names (model.weights)", ["--log", "{t}/w.log", "validate", "--config",
+                                                 "{c}"],
+     ["--log {t}/w.log is the file model.weights names of this command"]),
+    ("a file --set names", ["--log", "{t}/init.log", "validate", "--config", "{c}", "--set",
+                            "stages.0.init_from={t}/init.log"],
+     ["--log {t}/init.log is --set #1 of this command"]),
+    ("an input image of predict", ["--log", "{t}/img.log", "predict", "--bundle", "{t}",
+                                   "{t}/img.log"], ["--log {t}/img.log is an input #1"]),
+    ("a name of a config or weights file", ["--log", "{t}/other.yaml", "validate", "--config",
+                                            "{c}"],
+     ["--log {t}/other.yaml: a log does not take the name of a .yaml file"]),
+    ("a folder", ["--log", "{t}", "validate", "--config", "{c}"], ["--log {t} is a folder"]),
+    ("a FIFO", ["--log", "{t}/pipe.log", "validate", "--config", "{c}"],
+     ["--log {t}/pipe.log is not a regular file"]),
+]
+
+
+@pytest.mark.parametrize("what, argv, words", LOG_ROWS, ids=[r[0] for r in LOG_ROWS])
+def test_a_log_that_is_an_input_or_no_place_for_a_log_is_refused_before_anything(
+        tmp_path, what, argv, words):
+    """`ddpflow --log c.yaml validate --config c.yaml` truncated the config before reading it."""
+    cfg = _cfg(tmp_path, model={"name": "smallcnn", "weights": str(tmp_path / "w.log")})
+    (tmp_path / "w.log").write_bytes(b"weights of mine")
+    (tmp_path / "init.log").write_bytes(b"starting weights")
+    (tmp_path / "img.log").write_bytes(b"\x89PNG not really")
+    (tmp_path / "other.yaml").write_text("mine: 1\n")
+    os.link(cfg, tmp_path / "hard.log")
+    (tmp_path / "sym.log").symlink_to(cfg)
+    os.mkfifo(tmp_path / "pipe.log")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    argv = [str(a).format(c=cfg, t=tmp_path) for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "ddpflow", *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith("ddpflow: error: ") and proc.stderr.count("\n") == 1, \
+        proc.stderr
+    for w in words:
+        assert w.format(c=cfg, t=tmp_path) in proc.stderr, proc.stderr
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert after == before and not (tmp_path / "results").exists()
+
+
+def test_a_log_beside_its_inputs_is_written(tmp_path):
+    """What the rules do: the log in a place of its own, an earlier log replaced."""
+    cfg = _cfg(tmp_path)
+    log = tmp_path / "logs" / "validate.log"
+    log.parent.mkdir()
+    log.write_text("an earlier run's log\n")
+    proc = subprocess.run([sys.executable, "-m", "ddpflow", f"--log={log}", "validate",
+                           "--config", str(cfg)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().startswith("run: t\n") and "earlier" not in log.read_text()
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path):
+    """A 64 KiB tmpfs, filled but for `left` bytes (mounting needs root: else skipped)."""
+    d = tmp_path / "full"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+
+    def fill(left: int) -> Path:
+        free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
+        (d / "filler").write_bytes(b"\0" * max(0, free - left))
+        return d
+    yield fill
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_log_whose_disk_fills_up_is_one_line_and_keeps_the_result(tmp_path, full_tmpfs):
+    """A log on a full disk ended in an OSError traceback from the tee after the stage had
+    finished: under Snakemake the stage counted as failed. Now: one warning line, the
+    command's own exit code, and its ddpflow lines still on the console."""
+    d = full_tmpfs(0)  # (tmpfs counts whole pages: the resolved config is less than one)
+    cfg = _cfg(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "ddpflow", "--log", str(d / "v.log"),
+                           "validate", "--config", str(cfg)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    warned = [ln for ln in proc.stderr.splitlines() if "warning" in ln]
+    assert warned == [f"ddpflow: warning: cannot write the log at {d / 'v.log'}: no space "
+                      f"left on the device; free space there or choose another place; the "
+                      f"command goes on, its output from here on is not in the log"], \
+        proc.stderr
+    assert "Traceback" not in proc.stderr
+    # and a failing command keeps its own exit code and one-line error
+    proc = subprocess.run([sys.executable, "-m", "ddpflow", "--log", str(d / "v2.log"),
+                           "validate", "--config", str(tmp_path / "missing.yaml")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "missing.yaml" in proc.stderr, proc.stderr
+
+
+def test_tee_goes_on_past_a_full_log_and_still_echoes(tmp_path, full_tmpfs, capfd):
+    d = full_tmpfs(8192)
+    child = ("import sys\nfor i in range(2000): print('filler line', i)\n"
+             "sys.stderr.write('ddpflow: the end\\n')\n")
+    with tee_log(d / "x.log") as tee:
+        rc = subprocess.run([sys.executable, "-c", child]).returncode
+    err = capfd.readouterr().err
+    assert rc == 0 and tee.log_failed and "no space left" in tee.log_failed
+    assert err.splitlines()[-1] == "ddpflow: the end" and err.count("warning") == 1, err
+    assert 0 < (d / "x.log").stat().st_size <= 8192
+
+
+def test_a_config_that_does_not_read_is_the_commands_message_in_its_log(tmp_path):
+    """The log's check reads the config only to find the files it names; a broken one is
+    left to the command, whose one-line error lands in the log and on the console."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages: [unclosed\n")
+    log = tmp_path / "v.log"
+    proc = subprocess.run([sys.executable, "-m", "ddpflow", f"--log={log}", "validate",
+                           "--config", str(bad)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"ddpflow: error: config file {bad} is not valid YAML")
+    assert log.read_text() == proc.stderr

@@ -431,3 +431,117 @@ def test_property_any_item_is_accepted_or_one_message(item, channels, classes, m
                             materialize=materialize)
     except UserError as e:
         assert str(e).startswith("data.factory mine:make: ") and "\n" not in str(e)
+
+
+# --------------------------------------------------------------------------- model.kwargs
+USER_BUILDER = '''
+from torch import nn
+
+
+def build(num_classes, depth=2):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, num_classes))
+'''
+
+KWARGS_ROWS = [  # (model.name, model.kwargs, the message; None: built)
+    ("smallcnn", {"num_classes": 3}, "model.kwargs.num_classes: ddpflow passes num_classes to "
+                                     "smallcnn itself, from the prepared data; remove it"),
+    ("smallcnn", {"in_channels": 1}, "model.kwargs.in_channels: ddpflow passes in_channels"),
+    ("smallcnn", {"bogus": 3}, "model.kwargs.bogus: smallcnn takes no argument bogus; it "
+                               "takes width"),
+    ("smallcnn", {"widht": 8}, "smallcnn takes no argument widht (did you mean 'width'?)"),
+    ("smallcnn", {"weights": "x.pt"}, "model.kwargs.weights: pretrained weights come through "
+                                      "model.weights"),
+    ("mlp", {"width": 8}, "model.kwargs.width: mlp takes no argument width; it takes hidden"),
+    ("resnet18", {"weights": "DEFAULT"}, "model.kwargs.weights: pretrained weights come "
+                                         "through model.weights (a file, or a torchvision "
+                                         "weights name such as DEFAULT from the local torch "
+                                         "hub cache), never through the builder, which would "
+                                         "download them; remove model.kwargs.weights"),
+    ("resnet18", {"pretrained": True}, "model.kwargs.pretrained: pretrained weights come"),
+    ("resnet18", {"num_classes": 10}, "model.kwargs.num_classes: ddpflow passes num_classes"),
+    ("resnet18", {"bogus": 1}, "model.kwargs.bogus: resnet18 takes no argument bogus (its "
+                               "builder passes model.kwargs on, and unexpected keyword "
+                               "argument 'bogus' was raised)"),
+    ("timm:resnet18", {"pretrained": True}, "model.kwargs.pretrained: pretrained weights"),
+    ("timm:resnet18", {"in_chans": 1}, "model.kwargs.in_chans: ddpflow passes in_chans"),
+    ("mine:build", {"dept": 3}, "model.kwargs.dept: mine:build takes no argument dept (did "
+                                "you mean 'depth'?); it takes depth"),
+    ("smallcnn", {"width": 8}, None),
+    ("resnet18", {"zero_init_residual": True}, None),
+    ("mine:build", {"depth": 3}, None),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, words", KWARGS_ROWS,
+                         ids=[f"{r[0]}-{'-'.join(r[1])}" for r in KWARGS_ROWS])
+def test_model_kwargs_are_checked_against_the_builder_built_ins_too(tmp_path, name, kwargs,
+                                                                     words):
+    """`kwargs: {num_classes: 3}` or `{bogus: 3}` on smallcnn ended in a TypeError traceback,
+    `resnet18` with `weights: DEFAULT` made torchvision try to download: the built-ins'
+    kwargs go through the same contract as a user builder's, on the meta device here."""
+    from ddpflow.seams.models import build_model
+
+    if name.startswith("timm:"):
+        pytest.importorskip("timm")
+    (tmp_path / "mine.py").write_text(USER_BUILDER)
+    mc = SimpleNamespace(name=name, kwargs=kwargs, code_dir=str(tmp_path))
+    with torch.device("meta"):
+        if words is None:
+            assert isinstance(build_model(mc, 4, 3), nn.Module)
+            return
+        with pytest.raises(UserError) as e:
+            build_model(mc, 4, 3)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"model.kwargs.bogus": "3"}, "model.kwargs.bogus: smallcnn takes no argument bogus"),
+    ({"model.name": "resnet18", "model.kwargs.weights": "DEFAULT"},
+     "model.kwargs.weights: pretrained weights come through model.weights"),
+])
+def test_model_kwargs_are_refused_at_validation(tmp_path, over, words):
+    """What launch would refuse is refused when the config is read (`ddpflow validate`, the
+    Snakefile's parse): nothing prepared, nothing downloaded."""
+    p = write_config(tmp_path, tiny_config(tmp_path))
+    sets = [a for k, v in over.items() for a in ("--set", f"{k}={v}")]
+    proc = ddpflow("validate", "--config", p, *sets)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == f"ddpflow: error: {proc.stderr[16:]}" and words in proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "results").exists()
+
+
+# --------------------------------------------------------------------------- NaN metrics
+def _one_rank():
+    return SimpleNamespace(backend=None, rank=0, world=1, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("totals, words", [
+    ({"val_acc": (3.0, 4.0), "val_f1": (0.0, 0.0)},
+     "the metric val_f1 is nan, and the weights are finite (not a divergence): no sample was "
+     "counted for it over the whole split (its count is 0): metrics(outputs, batch) returns a "
+     "count of 0 for f1 on every batch"),
+    ({"val_acc": (float("nan"), 4.0)},
+     "the metric val_acc is nan, and the weights are finite (not a divergence): what "
+     "metrics(outputs, batch) adds up for acc holds NaN/inf (sum nan over a count of 4)"),
+    ({"val_loss": (float("inf"), 8.0)}, "the metric val_loss is inf"),
+])
+def test_a_nan_metric_is_named(totals, words):
+    """A task metric that is NaN gave `val_acc nan`, exit 0, nothing said."""
+    from ddpflow.engine.validation import check_finite
+
+    values = {k: (t / c if c else float("nan")) for k, (t, c) in totals.items()}
+    with pytest.raises(UserError) as e:
+        check_finite(values, totals, "mytask:make", nn.Linear(2, 2), _one_rank())
+    assert str(e.value).startswith("task.name mytask:make: ") and words in str(e.value), \
+        str(e.value)
+
+
+def test_nan_metrics_of_nan_weights_are_left_to_the_divergence_check():
+    from ddpflow.engine.validation import check_finite
+
+    net = nn.Linear(2, 2)
+    check_finite({"val_acc": 0.5}, {"val_acc": (2.0, 4.0)}, "t", net, _one_rank())
+    with torch.no_grad():
+        net.weight[0, 0] = float("nan")
+    check_finite({"val_acc": float("nan")}, {"val_acc": (float("nan"), 4.0)}, "t", net,
+                 _one_rank())  # no UserError: the diverged loss names the cause (exit 3)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -589,3 +591,200 @@ def test_sync_bn_on_cpu_ranks_is_one_message(tmp_path):
         "ddpflow: error: model.sync_bn: SyncBatchNorm runs on GPUs only, and this stage "
         "trains on cpu; set model.sync_bn: false")
     assert p.is_file()
+
+
+# --------------------------------------------------------------------------- hardening
+def test_a_shard_blocks_mistake_is_refused_at_validation_and_by_sweep_plan(tmp_path):
+    """`ddpflow validate` and `sweep plan` accepted a class the model does not have; every
+    trial then failed at its start. They make launch's check (the model built on the meta
+    device, then its blocks), with its one message; nothing is written."""
+    wrong = ("model.shard_blocks: 'Bottleneck' is not the class of any module of the model; "
+             "model smallcnn has repeated blocks Sequential (3)")
+    stage = {**FSDP_STAGE, "activation_checkpointing": False}  # FSDP's units alone
+    raw = tiny_config(tmp_path, stages=[stage], model={"shard_blocks": ["Bottleneck"]})
+    proc = ddpflow("validate", "--config", write_config(tmp_path, raw))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"ddpflow: error: {wrong}") and proc.stderr.count("\n") == 1
+    # a sweep whose second trial names a class of another model (resnet18's)
+    raw = tiny_config(tmp_path, stages=[FSDP_STAGE], model={"shard_blocks": ["Sequential"]},
+                      sweep={"grid": {"model.shard_blocks": [["Sequential"], ["BasicBlock"]]}})
+    p = write_config(tmp_path, raw, "sweep.yaml")
+    for argv in (["sweep", "plan"], ["validate"]):
+        proc = ddpflow(*argv, "--config", p)
+        assert proc.returncode == 2, proc.stderr
+        assert "sweep trial" in proc.stderr and "'BasicBlock' is not the class of any " \
+            "module of the model" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "results").exists()
+    # and what is right is accepted (the model is built once per distinct setting)
+    raw["sweep"]["grid"]["model.shard_blocks"] = [["Sequential"], None]
+    assert ddpflow("sweep", "plan", "--config", write_config(tmp_path, raw, "ok.yaml")
+                   ).returncode == 0
+
+
+GUESSING = '''
+from torch import nn
+
+
+def build(num_classes):
+    assert num_classes == 3, "made for 3 classes"
+    return nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()),
+                         nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU()), nn.Flatten(),
+                         nn.LazyLinear(num_classes))
+'''
+
+
+def test_validation_builds_the_model_only_when_it_must_and_never_on_a_guess(tmp_path,
+                                                                          monkeypatch):
+    """Only a config with model.kwargs or a stage that shards or recomputes blocks is built
+    (torch costs validate seconds); data not prepared yet gives a guessed class count, and a
+    builder that fails on it alone is left to launch, which knows the count."""
+    from ddpflow.config import from_dict
+    from ddpflow.engine.modelcheck import check_model, data_shape, needs_model
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "guess.py").write_text(GUESSING)
+    plain = from_dict(tiny_config(tmp_path))
+    assert not needs_model(plain)
+    assert data_shape(plain) == (10, 3, True)  # the synthetic set's own count
+    folder = from_dict(tiny_config(tmp_path, stages=[FSDP_STAGE], data={
+        "source": "imagefolder", "path": str(tmp_path), "train_size": None, "val_size": None,
+        "test_size": None}, model={"name": "guess:build", "code_dir": str(code)}))
+    assert needs_model(folder) and data_shape(folder) == (2, 3, False)
+    check_model(folder)  # the builder fails on the guess: no refusal at validation
+    from ddpflow.core.errors import UserError
+
+    kwargs_on_a_guess = from_dict(tiny_config(tmp_path, stages=[FSDP_STAGE], data={
+        "source": "imagefolder", "path": str(tmp_path), "train_size": None, "val_size": None,
+        "test_size": None}, model={"kwargs": {"bogus": 1}}))
+    with pytest.raises(UserError, match="model.kwargs.bogus: smallcnn takes no argument"):
+        check_model(kwargs_on_a_guess)  # a kwargs mistake is one whatever the class count
+    damaged = tmp_path / "results/t/data"
+    damaged.mkdir(parents=True)
+    (damaged / "meta.json").write_text("{not json")
+    assert data_shape(folder) == (2, 3, False)  # a damaged meta.json: prepare rebuilds it
+    synthetic = from_dict(tiny_config(tmp_path, stages=[FSDP_STAGE], model={
+        "name": "guess:build", "code_dir": str(code)}))
+    from ddpflow.core.errors import UserError
+
+    with pytest.raises(UserError, match="made for 3 classes"):
+        check_model(synthetic)  # a count that is known: the builder's refusal stands
+    # a sweep's trials that share the model's settings: built once
+    from ddpflow.seams import models
+
+    calls, real = [], models.build_model
+    monkeypatch.setattr(models, "build_model", lambda *a, **k: calls.append(1) or real(*a, **k))
+    seen: set = set()
+    fsdp = from_dict(tiny_config(tmp_path, stages=[FSDP_STAGE]))
+    for lr in (0.1, 0.2):
+        check_model(from_dict(tiny_config(tmp_path, stages=[{**FSDP_STAGE, "lr": lr}])), seen)
+    check_model(fsdp)
+    assert len(calls) == 2  # one for the two trials, one without `seen`
+
+
+def test_a_sharded_checkpoints_checksum_file_names_only_files_inside_it(tmp_path, monkeypatch):
+    """The sidecar is a manifest ddpflow reads back: a name that leaves the folder ('..', an
+    absolute path, a symlink out) is never opened and hashed; the checkpoint is skipped."""
+    from ddpflow.engine import checkpoint
+
+    folder = tmp_path / "checkpoints"
+    d = folder / "ckpt-000000004.dcp"
+    d.mkdir(parents=True)
+    torch.save({"step": 4, "resume_key": "k"}, d / "state.pt")
+    (tmp_path / "secret").write_bytes(b"not a shard")
+    (d / "link.distcp").symlink_to(tmp_path / "secret")
+    read = []
+    real = checkpoint.sha256_of
+    monkeypatch.setattr(checkpoint, "sha256_of", lambda p: read.append(Path(p)) or real(p))
+    for name in ("../../secret", str(tmp_path / "secret"), "link.distcp"):
+        (folder / f"{d.name}.sha256").write_text(f"{real(tmp_path / 'secret')}  {name}\n"
+                                                 f"{real(d / 'state.pt')}  state.pt\n")
+        assert checkpoint.verify_folder(d) == ("its checksum file names a file outside the "
+                                               "folder (not written by ddpflow)"), name
+    assert all(p.resolve().parent == d for p in read) and not any(
+        p.resolve() == (tmp_path / "secret") for p in read)
+
+
+def _tmpfs(path: Path, size: str) -> None:
+    path.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, words", [
+    ("ddp", "not enough free space for the stage's checkpoints at {stage}/checkpoints: about "),
+    ("fsdp", "not enough free space for the sharded checkpoint at {stage}/checkpoints: about "),
+])
+def test_a_full_disk_under_a_stage_is_one_message_from_every_rank(tmp_path, strategy, words):
+    """A stage whose checkpoints do not fit (a real 768 KiB tmpfs as results_dir): before,
+    FSDP's ranks each printed a 100-line traceback from DCP's C++ writer. Now one message
+    naming the place (the ranks refuse together: their needs are gathered first), exit 2,
+    no rank's traceback, nothing half-written in the stage folder."""
+    _tmpfs(tmp_path / "results", "768k")
+    try:
+        stage = {**FSDP_STAGE, "strategy": strategy, "activation_checkpointing": False,
+                 "max_steps": 8}
+        raw = tiny_config(tmp_path, stages=[stage], checkpoint={"every_steps": 4},
+                          data={"prepared_dir": str(tmp_path / "data")})
+        p = write_config(tmp_path, raw)
+        ddpflow("prepare", "--config", p, check=True)
+        proc = ddpflow("launch", "--config", p, "--stage", "s1")
+        folder = stage_dir(tmp_path)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "inline_container" not in proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("ddpflow: error: " + words.format(stage=folder)), last
+        assert last.endswith("free space there or choose another results_dir" if
+                             strategy == "fsdp" else "free space there or choose another "
+                                                     "place"), last
+        assert not [f for f in folder.rglob("*") if ".tmp" in f.name]
+        assert not (folder / "final.pt").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path / "results")], check=False)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_mid_stage_is_one_message(tmp_path):
+    """The stage folder's disk fills up while the stage trains (another job's file): rank 0's
+    next write (the metrics log, or a checkpoint) is one message naming the place, though
+    the folder cannot even take the rank's error.json (it goes to the launcher's spare);
+    no rank's traceback, exit 2."""
+    _tmpfs(tmp_path / "results", "16m")
+    try:
+        raw = tiny_config(tmp_path, stages=[{"name": "s1", "epochs": 8, "batch_size": 16,
+                                             "lr": 0.05}],
+                          checkpoint={"every_steps": 8},
+                          data={"prepared_dir": str(tmp_path / "data"), "train_size": 2048})
+        p = write_config(tmp_path, raw)
+        ddpflow("prepare", "--config", p, check=True)
+        from conftest import REPO
+
+        run = subprocess.Popen([sys.executable, "-m", "ddpflow", "launch", "--config", str(p),
+                                "--stage", "s1"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        seen = []
+        for line in run.stderr:  # a log line after the first checkpoint: training goes on
+            seen.append(line)
+            if "step 12/" in line:
+                break
+        with open(tmp_path / "results" / "filler", "wb", buffering=0) as f:  # every page
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        out, err = run.communicate(timeout=300)
+        err = "".join(seen) + err
+        assert run.returncode == 2, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        folder = stage_dir(tmp_path)
+        assert last.startswith("ddpflow: error: ") and f"at {folder}" in last, last
+        assert "no space left on the device" in last or "not enough free space" in last, last
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path / "results")], check=False)

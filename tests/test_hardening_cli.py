@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import sys
 from pathlib import Path
 
@@ -274,3 +275,33 @@ def test_split_folders_through_the_real_command(stage):
         f"ddpflow: error: --images {tmp / 'splits'} holds split folders (test, train), not "
         f"class folders: give one split's folder, e.g. --images {tmp / 'splits' / 'test'}"]
     assert _tree(tmp) == before
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("full", "not enough free space for the export bundle at {out}: about"),
+    ("ro", "cannot write the export bundle at {out}: the file system is read-only"),
+])
+def test_export_onto_a_full_or_read_only_place_is_one_message(stage, tmp_path, kind, words):
+    """`ddpflow export --out` onto a full file system aborted with SIGABRT inside
+    TorchScript's writer and left a partial folder. A real 256 KiB tmpfs (read-only: remounted
+    so): exit 2, one line naming --out, nothing left there."""
+    import subprocess
+
+    _, p, _ = stage
+    d = tmp_path / "mnt"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        if kind == "ro":
+            subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+        out = d / "bundle"
+        proc = ddpflow("export", "--config", p, "--out", out)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert [ln for ln in lines if "error" in ln] == lines[-1:], proc.stderr[-2000:]
+        assert lines[-1].startswith("ddpflow: error: " + words.format(out=out)), lines[-1]
+        assert "Traceback" not in proc.stderr
+        assert [f for f in os.listdir(d) if not f.endswith(".lock")] == []
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from conftest import ddpflow, tiny_config, write_config
@@ -338,3 +341,168 @@ def test_prepare_stores_what_predict_reads(tmp_path):
         stored = x[y == label]
         assert len(stored) == 1 and np.array_equal(stored[0], wants[name]), name
         assert np.array_equal(common.decode([str(file)], S, False)[0][0], stored[0]), name
+
+
+# --------------------------------------------------------------------------- archives
+# Every field read from a CIFAR or IDX file is a field of a file ddpflow did not write: each
+# member goes through the reading boundary's schema (core/reading.validate) before any field
+# is used. A row per class: (member spoiled, content, the message)
+GOOD_ROWS = np.zeros((2, 3072), np.uint8)
+CIFAR_ROWS = [
+    ("meta without label_names", "batches.meta", {b"names": [b"a"] * 10},
+     "batches.meta (a cifar10 file): label_names: missing"),
+    ("meta names not a list", "batches.meta", {b"label_names": b"airplane"},
+     "label_names: 'airplane' is not of type 'array'"),
+    ("meta names of one class", "batches.meta", {b"label_names": [b"a"]},
+     "label_names: 1 item(s), expected at least 2"),
+    ("meta a list, not a dict", "batches.meta", [b"a", b"b"],
+     "batches.meta (a cifar10 file): (top level)"),
+    ("batch without data", "data_batch_2", {b"labels": [0, 1]}, "data_batch_2 (a cifar10 "
+                                                                 "file): data: missing"),
+    ("batch rows of the wrong width", "data_batch_2", {b"data": np.zeros((2, 3000), np.uint8),
+                                                       b"labels": [0, 1]}, "data.array.1"),
+    ("batch of floats", "data_batch_2", {b"data": np.zeros((2, 3072), np.float32),
+                                         b"labels": [0, 1]}, "data.dtype: 'float32' is not "
+                                                             "'uint8'"),
+    ("labels of text", "data_batch_2", {b"data": GOOD_ROWS, b"labels": [b"cat", b"dog"]},
+     "labels: ['cat', 'dog'] is not of type 'object'"),
+    ("labels of floats", "data_batch_2", {b"data": GOOD_ROWS,
+                                          b"labels": np.array([0.5, 1.0])},
+     "labels.dtype: 'float64' is not allowed here"),
+    ("labels beyond the names", "data_batch_2", {b"data": GOOD_ROWS, b"labels": [0, 10]},
+     "CIFAR file data_batch_2: labels 0..10, but batches.meta names 10 classes"),
+    ("fewer labels than rows", "data_batch_2", {b"data": GOOD_ROWS, b"labels": [0]},
+     "CIFAR file data_batch_2: 2 images but 1 labels"),
+]
+
+
+def _cifar_with(tmp_path: Path, member: str, content) -> Path:
+    import io
+    import pickle
+    import tarfile
+
+    from fixtures import cifar_archive
+
+    arc = cifar_archive(tmp_path / "c.tar.gz", n_per_batch=20, n_test=20)
+    with tarfile.open(arc) as tar:
+        blobs = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+    blobs[f"cifar-10-batches-py/{member}"] = pickle.dumps(content)
+    with tarfile.open(arc, "w:gz") as tar:
+        for name, blob in blobs.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    return arc
+
+
+@pytest.mark.parametrize("case, member, content, words", CIFAR_ROWS,
+                         ids=[r[0] for r in CIFAR_ROWS])
+def test_a_cifar_member_of_the_wrong_shape_is_one_message(tmp_path, case, member, content,
+                                                          words):
+    """A `batches.meta` without `label_names` was a KeyError traceback."""
+    from ddpflow.data.archives import read_cifar
+
+    arc = _cifar_with(tmp_path, member, content)
+    with pytest.raises(UserError) as e:
+        read_cifar("cifar10", arc, verify=False)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert "replace" in str(e.value)
+
+
+def test_a_cifar_archive_that_keeps_the_schema_is_read(tmp_path):
+    from ddpflow.data.archives import read_cifar
+
+    arc = _cifar_with(tmp_path, "batches.meta", {b"label_names": [f"c{i}".encode()
+                                                                  for i in range(10)]})
+    splits_, classes, _ = read_cifar("cifar10", arc, verify=False)
+    assert classes == [f"c{i}" for i in range(10)]
+    assert splits_["train"][0].shape == (100, 32, 32, 3) and splits_["test"][1].dtype == np.int64
+
+
+IDX_ROWS = [
+    ("header promises more than the file holds",
+     struct.pack(">HBB", 0, 8, 3) + struct.pack(">III", 1000, 28, 28) + b"x" * 100,
+     "is truncated: its header says (1000, 28, 28) (784000 bytes), 100 bytes of data follow"),
+    ("ends inside its header", struct.pack(">HBB", 0, 8, 3) + struct.pack(">I", 5),
+     "is truncated: it ends inside its IDX header"),
+    ("shorter than a header", b"\x00\x00", "is truncated: it ends inside its IDX header"),
+    ("no dimensions", struct.pack(">HBB", 0, 8, 0), "dims: 0 item(s), expected at least 1"),
+    ("not unsigned bytes", struct.pack(">HBB", 0, 13, 1) + struct.pack(">I", 3) + b"abc",
+     "(an IDX file): dtype: 13 is not 8"),
+    ("not an IDX magic", struct.pack(">HBB", 2049, 8, 1) + struct.pack(">I", 3) + b"abc",
+     "zero: 2049 is not 0"),
+    ("a dimension of 4 billion", struct.pack(">HBB", 0, 8, 3) + struct.pack(">III", 2**32 - 1,
+                                                                              28, 28),
+     "dims.0: 4294967295 is above the maximum 10000000"),
+    ("four dimensions", struct.pack(">HBB", 0, 8, 4) + struct.pack(">IIII", 1, 1, 1, 1) + b"x",
+     "dims: 4 item(s), expected at most 3"),
+]
+
+
+@pytest.mark.parametrize("case, raw, words", IDX_ROWS, ids=[r[0] for r in IDX_ROWS])
+def test_an_idx_file_whose_header_lies_is_one_message(tmp_path, case, raw, words):
+    """An IDX header that promises more than the file holds was a struct.error traceback."""
+    from ddpflow.data.archives import _read_idx
+
+    (tmp_path / "f").write_bytes(raw)
+    with pytest.raises(UserError) as e:
+        _read_idx(tmp_path / "f", False, None, {})
+    assert str(tmp_path / "f") in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_prepare_of_a_cifar_archive_without_label_names_writes_nothing(tmp_path):
+    arc = _cifar_with(tmp_path, "batches.meta", {b"names": []})
+    raw = tiny_config(tmp_path)
+    raw["data"] = {"source": "cifar10", "path": str(arc), "verify_checksum": False,
+                   "image_size": 32, "train_size": None, "val_size": None}
+    proc = ddpflow("prepare", "--config", write_config(tmp_path, raw))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"ddpflow: error: {arc}: batches.meta (a cifar10 file): label_names: missing; it is "
+        f"not an official CIFAR file: replace the archive (the python version from the "
+        f"dataset's site)"]
+    assert not (tmp_path / "results/t/data").exists()
+    assert not list((tmp_path / "results/t").glob(".data.partial*"))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(raw=st.one_of(st.binary(max_size=64), st.tuples(
+    st.integers(0, 3), st.integers(0, 20), st.integers(0, 5),
+    st.lists(st.integers(0, 70), max_size=5), st.binary(max_size=200)).map(
+    lambda t: struct.pack(">HBB", t[0], t[1] * 8 if t[1] < 3 else t[1], t[2])
+    + b"".join(struct.pack(">I", d) for d in t[3]) + t[4])))
+def test_property_any_idx_bytes_are_an_array_or_one_message(tmp_path_factory, raw):
+    from ddpflow.data.archives import _read_idx
+
+    path = tmp_path_factory.mktemp("idx") / "f"
+    path.write_bytes(raw)
+    try:
+        out = _read_idx(path, False, None, {})
+    except UserError as e:
+        assert "\n" not in str(e)
+    else:
+        assert out.dtype == np.uint8 and 1 <= out.ndim <= 3
+
+
+_LEAF = st.one_of(st.integers(-2, 12), st.binary(max_size=4), st.text(max_size=3),
+                  st.floats(allow_nan=True), st.none(),
+                  st.sampled_from([GOOD_ROWS, np.zeros((2, 3072), np.float32),
+                                   np.zeros(3, np.int64), np.zeros((2, 3000), np.uint8)]))
+_VALUE = st.one_of(_LEAF, st.lists(_LEAF, max_size=4))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(member=st.sampled_from(["batches.meta", "data_batch_1", "test_batch"]),
+       content=st.one_of(_VALUE, st.dictionaries(
+           st.sampled_from([b"data", b"labels", b"label_names", b"other", "data"]), _VALUE,
+           max_size=3)))
+def test_property_any_cifar_member_is_data_or_one_message(tmp_path_factory, member, content):
+    from ddpflow.data.archives import read_cifar
+
+    arc = _cifar_with(tmp_path_factory.mktemp("cifar"), member, content)
+    try:
+        read_cifar("cifar10", arc, verify=False)
+    except UserError as e:
+        assert "\n" not in str(e)

@@ -53,7 +53,7 @@ SLURM_ROWS = [  # (slurm: section, the key named, words of the message)
     ({"extra": "--mail-user=$(touch${IFS}/tmp/owned)"}, "slurm.extra", "'$', '(', ')'"),
     ({"extra": "--begin=now;reboot"}, "slurm.extra", "';'"),
     ({"extra": "--x=`id`"}, "slurm.extra", "'`'"),
-    ({"extra": "--x=1\n--y=2"}, "slurm.extra", None),  # newline: split into words, fine
+    ({"extra": "--mail-type=END\n--exclusive"}, "slurm.extra", None),  # newline: a space
     ({"extra": "--mem=4G"}, "slurm.extra", "set slurm.mem_mb instead"),
     ({"extra": "--signal=B:USR1@60"}, "slurm.extra", "set slurm.signal_before_end_s"),
     ({"extra": "-p long"}, "slurm.extra", "set slurm.partition instead"),
@@ -88,6 +88,79 @@ def test_a_slurm_value_sbatch_cannot_take_is_one_message(tmp_path, slurm, key, w
     assert key in text and words in text, text
 
 
+# slurm.extra as sbatch reads it (getopt_long): a row per class, the option named as written
+# and as sbatch takes it, and the key (or reason) instead
+SBATCH_ROWS = [
+    ("--partiti=pair", "sets --partition (sbatch reads --partiti as --partition), which "
+                       "slurm.extra may not set: set slurm.partition instead"),
+    ("--mail-type=END --outp=x.log", "sets --output (sbatch reads --outp as --output)"),
+    ("--chd=.", "sets --chdir (sbatch reads --chd as --chdir)"),
+    ("-p pair", "sets --partition (sbatch reads -p as --partition)"),
+    ("-ppair", "sets --partition (sbatch reads -p as --partition)"),
+    ("-OH", "sets --hold (sbatch reads -H as --hold), which slurm.extra may not set: a held job "
+            "never starts, and the workflow would wait for it forever"),
+    ("--wrap=true", "sets --wrap, which slurm.extra may not set: the executor's job script "
+                    "runs the stage; --wrap would run another command"),
+    ("--array=1-100", "sets --array, which slurm.extra may not set: an array job would run "
+                      "the stage as many times at once"),
+    ("--hold", "sets --hold,"),
+    ("--dependency=afterok:12", "sets --dependency, which slurm.extra may not set: Snakemake "
+                                "orders the jobs"),
+    ("--test", "sets --test-only (sbatch reads --test as --test-only)"),
+    ("-A proj", "set slurm.account instead"),
+    ("--gpus=8", "set slurm.gpus (and slurm.gres or slurm.gpu_model) instead"),
+    ("--gpus-per-t=1", "sets --gpus-per-task (sbatch reads --gpus-per-t as --gpus-per-task)"),
+    ("-c 4", "set slurm.cpus (a job without GPUs) or slurm.cpus_per_gpu instead"),
+    ("--mem-per-g=4G", "sets --mem-per-gpu (sbatch reads --mem-per-g as --mem-per-gpu)"),
+    ("-t 60", "set slurm.runtime_min instead"),
+    ("-N 2", "set hardware.nodes and hardware.nproc_per_node instead"),
+    ("-J name", "the Slurm executor sets it (a per-rule resource"),
+    ("--uid=0", "it runs the job as another user"),
+    ("--help", "sbatch would print and exit"),
+    ("--mail=END", "has --mail, which is ambiguous to sbatch (it could be --mail-type, "
+                   "--mail-user): write the whole option"),
+    ("--exc", "it could be --exclude, --exclusive"),
+    ("--bogus=1", "has --bogus, which is not an sbatch option"),
+    ("-X", "has -X (in -X), which is not an sbatch option"),
+    ("--nice 5", "has '5', which is no option: sbatch would take it (and every word after it) "
+                 "as the job's script"),
+    ("pair", "has 'pair', which is no option"),
+    ("-- --hold", "has '--', which is no option"),
+    ("--mail-type", "ends with --mail-type, which needs a value"),
+    ("-w", "ends with -w, which needs a value"),
+    ("--hold=yes", "has --hold=yes, but --hold takes no value"),
+    # accepted: options a user may add, as sbatch takes them
+    ("--mail-t=END --mail-user=me@x.org", None),
+    ("--exclusive -w n1 --reservation r1 -Ok", None),
+    ("--nice=5 --requeue --tmp=100 -x n2", None),
+    ("--gpus-per-node=8", None),  # a site's per-node request beside the total (slurm.md)
+]
+
+
+@pytest.mark.parametrize("extra, words", SBATCH_ROWS, ids=[r[0] for r in SBATCH_ROWS])
+def test_slurm_extra_is_read_as_sbatch_reads_it(tmp_path, extra, words):
+    """A deny list of whole names passed `--partiti=pair --outp=x.log --chd=.` (sbatch takes
+    any unambiguous prefix) and `--wrap=true`, `--array=1-100`, `--hold`: now an allow-list,
+    matched as sbatch matches (prefixes, -x short forms and bundles, =/space values)."""
+    if words is None:
+        assert from_dict(tiny_config(tmp_path, slurm={"extra": extra})).slurm.extra == extra
+        return
+    text = _refused(tmp_path, slurm={"extra": extra})
+    assert text.startswith("invalid config: slurm.extra ") and words in text, text
+
+
+def test_every_sbatch_option_is_allowed_or_named_with_what_to_do():
+    from ddpflow.config import sbatchopts
+
+    assert len(sbatchopts.LONG) == 106 and set(sbatchopts.SHORT.values()) <= set(
+        sbatchopts.LONG)
+    assert not sbatchopts.ALLOWED & set(sbatchopts.MANAGED)
+    assert sbatchopts.ALLOWED | set(sbatchopts.MANAGED) == set(sbatchopts.LONG)
+    for name in ("partition", "account", "gpus", "cpus-per-task", "mem", "time", "output",
+                 "array", "wrap", "hold", "dependency", "test-only"):
+        assert name in sbatchopts.MANAGED, name
+
+
 def _slurm_resources():
     """common.smk's slurm_resources, as the workflow defines it (the .smk file itself)."""
     src = SMK.read_text()
@@ -98,8 +171,9 @@ def _slurm_resources():
     return scope["slurm_resources"]
 
 
-@pytest.mark.parametrize("extra", ["", "--gpus-per-node=8 --mail-type=END",
-                                   "--x=1\n--y=2", "--exclusive"])
+@pytest.mark.parametrize("extra", ["", "--mail-type=END --mail-user=me@x.org",
+                                   "--mail-type=END\n--exclusive", "--exclusive",
+                                   "-w n1 --reservation=r1"])
 def test_accepted_slurm_values_reach_sbatch_as_separate_options(tmp_path, extra):
     """What the executor plugin's sbatch line (a shell line) makes of slurm_extra: one argv
     word per option, the signal first; partition and account as given."""

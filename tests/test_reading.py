@@ -171,6 +171,11 @@ META_ROWS = COMMON + [
      ["bytes", "'../train_labels.npy'"]),
     ("absolute path", _set(META, "bytes", {"/etc/passwd": 3}), ["bytes", "/etc/passwd"]),
     ("symlink out", _set(META, "bytes", {"link.npy": 3}), ["bytes", "symlink"]),
+    # what `prepare --verify` reads and hashes: named inside the folder too
+    ("sha256 path with ..", _set(META, "sha256", {"../outside.npy": "0" * 64}),
+     ["sha256: '../outside.npy' is not a plain name"]),
+    ("sha256 absolute path", _set(META, "sha256", {"/etc/passwd": "0" * 64}),
+     ["sha256: '/etc/passwd' is not a plain name"]),
 ]
 
 

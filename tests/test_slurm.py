@@ -414,3 +414,74 @@ def test_two_nodes_stop_at_a_checkpoint_on_usr1(tmp_path):
         steps.append(ckpts[-1])
         assert not (stage / "final.pt").exists() and not (stage / "summary.json").exists()
     assert f"resumed from ckpt-{steps[0]:09d}" in log, log[-3000:]
+
+
+# --------------------------------------------------------------------------- slurm.extra
+def _sbatch(*words: str) -> subprocess.CompletedProcess:
+    """The real sbatch, test-only and verbose (it lists the options it took), on `true`."""
+    return subprocess.run(["sbatch", "--test-only", "-v", "--wrap=true", *words],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _taken(stderr: str) -> set[str]:
+    """The options sbatch says it took ("defined options"), the test's own included."""
+    lines = stderr.split("defined options", 1)[-1].split("end of defined options")[0]
+    return {ln.split(":", 1)[1].split(":")[0].strip() for ln in lines.splitlines()
+            if ln.startswith("sbatch: ") and " : " in ln}
+
+
+OWN = {"test-only", "verbose", "wrap"}  # what _sbatch adds
+ALIAS = {"tasks-per-node": "ntasks-per-node"}  # one option, two names (sbatch lists the first)
+
+
+SAME_AS_SBATCH = ["--partiti=pair", "--mail-type=END --outp=x.log --chd=.", "-p pair",
+                  "-ppair", "-OH", "-Ok", "--array=1-3", "--hold", "--test", "--mail-t=END",
+                  "--exclusive -w vm --reservation r1 -Ok", "--nice=5 --requeue --tmp=100",
+                  "--gpus-per-n=1", "--cpus-per-t 1", "-c1", "--mem-per-c=100", "--ti=5",
+                  "--dependency=afterok:1", "--mail=END", "--exc", "--clus=x", "--bogus=1",
+                  "-X", "--hold=yes", "--tasks-per-node=1", "--ntasks-per-n=1", "-Hv", "-koff"]
+
+
+@pytest.mark.parametrize("extra", SAME_AS_SBATCH)
+def test_slurm_extra_is_parsed_as_the_real_sbatch_parses_it(extra):
+    """What ddpflow's parser reads in slurm.extra is what this machine's sbatch takes: the
+    same options (prefixes, short forms, bundles, values), or a refusal where sbatch refuses
+    to parse it (ambiguous, unknown, a value where none goes)."""
+    from ddpflow.config.sbatchopts import options
+
+    ours = options(extra)
+    proc = _sbatch(*extra.split())
+    if isinstance(ours, str):
+        assert any(w in proc.stderr for w in ("ambiguous", "unrecognized option",
+                                              "invalid option", "doesn't allow")), \
+            (ours, proc.stderr[-600:])
+        return
+    assert "defined options" in proc.stderr, proc.stderr[-600:]
+    assert {ALIAS.get(name, name) for _, name in ours} | OWN == _taken(proc.stderr), \
+        proc.stderr[-800:]
+
+
+def test_the_option_table_is_this_sbatchs():
+    """Every long option ddpflow knows is one this sbatch takes, with a value where ddpflow
+    expects one and none where it expects none; its shortest unique prefix is taken, one
+    letter less (where that is another option's prefix too) is ambiguous to sbatch too."""
+    from ddpflow.config import sbatchopts
+
+    names = sorted(sbatchopts.LONG)
+    for name, arg in sbatchopts.LONG.items():
+        err = _sbatch(f"--{name}" if arg != sbatchopts.REQUIRED else f"--{name}").stderr
+        assert "unrecognized option" not in err, name
+        if arg == sbatchopts.REQUIRED:
+            assert "requires an argument" in err, (name, err[-300:])
+        if arg == sbatchopts.NONE:
+            assert "doesn't allow an argument" in _sbatch(f"--{name}=x").stderr, name
+        shortest = next(name[:k] for k in range(1, len(name) + 1)
+                        if [n for n in names if n.startswith(name[:k])] == [name]
+                        or name[:k] == name)
+        if shortest != name and len(shortest) > 1:
+            fewer = shortest[:-1]
+            if fewer not in names and sum(n.startswith(fewer) for n in names) > 1:
+                assert "ambiguous" in _sbatch(f"--{fewer}").stderr, fewer
+    for letter, name in sbatchopts.SHORT.items():
+        err = _sbatch(f"-{letter}" + ("x" if sbatchopts.LONG[name] else "")).stderr
+        assert "invalid option" not in err, letter

@@ -207,10 +207,11 @@ def test_a_candidate_never_starts_once_the_budget_is_spent(monkeypatch):
 
     import torch
 
-    from ddpflow.engine import tune
+    from ddpflow.engine import tune, tunebudget
 
     now = [100.0]
     monkeypatch.setattr(tune, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(tunebudget, "clock", lambda: now[0])
     pace = tune.Pace(SimpleNamespace(backend=None, is_master=False), budget_s=10,
                      climb_by_throughput=False)
     ran = []
@@ -278,3 +279,94 @@ def test_a_stop_signal_to_one_rank_stops_both_at_the_same_candidate(tmp_path):
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
     assert not [q.pid for q in psutil.process_iter() if of_the_run(q)]
+
+
+# --------------------------------------------------------------------------- the budget
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def pace(monkeypatch):
+    """A one-rank Pace of tune.budget_s 8 on a clock the test moves (seconds)."""
+    from types import SimpleNamespace
+
+    from ddpflow.engine import tune, tunebudget
+
+    clock = FakeClock()
+    monkeypatch.setattr(tunebudget, "clock", clock)
+    monkeypatch.setattr(tune, "time", SimpleNamespace(monotonic=clock))
+    p = tune.Pace(SimpleNamespace(backend=None, is_master=True), 8.0, False)
+    p.lines = []
+    monkeypatch.setattr(p, "say", p.lines.append)
+    return p, clock
+
+
+def test_a_candidate_that_would_end_past_the_budget_is_not_started(pace):
+    """`tune.budget_s: 8` ended at 12-24 s: the budget was checked between candidates only."""
+    from ddpflow.engine.tunebudget import admits
+
+    p, clock = pace
+    assert admits(p, "batch 8")  # the first: nothing known of its length, budget left
+    clock.now += 3.0  # it took 3 s
+    assert admits(p, "batch 16")  # at 3 s: 3 + 3 <= 8
+    clock.now += 4.0  # at 7 s: one more of about 4 s would end at 11 s
+    assert not admits(p, "batch 32")
+    assert p.skipped == ["batch 32"] and p.lines[-1] == (
+        "batch 32: skipped (it would end past tune.budget_s 8 s: the one before took 4.0 s, "
+        "1.0 s are left)")
+    clock.now += 2.0  # spent: skipped as before
+    assert not admits(p, "batch 64") and p.skipped[-1] == "batch 64"
+    assert "tune.budget_s 8 s spent" in p.lines[-1]
+
+
+@pytest.mark.parametrize("start, step_s, steps, timed", [
+    (5.0, 0.5, 10, 5),  # 2.5 s left after the warm-up, at 0.5 s a step: cut to 5 of 10
+    (0.0, 0.5, 3, 3),  # all fit: not cut
+    (7.9, 2.0, 10, 1),  # none fits: one timed step, for a figure
+])
+def test_the_timed_steps_of_a_candidate_are_cut_to_the_budget(pace, start, step_s, steps,
+                                                              timed):
+    from ddpflow.engine import tunebudget
+
+    p, clock = pace
+    clock.now = p.t0 + start
+    tunebudget.admits(p, "batch 64, fp32")
+    it = tunebudget.step_indices(p, steps, __import__("torch").device("cpu"))
+    assert [next(it), next(it)] == [0, 1]  # the warm-up steps
+    clock.now += step_s  # the second warm-up step's length
+    rest = list(it)
+    assert rest == list(range(2, timed + 2))
+    cut = [s for s in p.skipped if "cut" in s]
+    if timed < steps:
+        assert cut == [f"batch 64, fp32 (cut to {timed} of {steps} timed steps)"]
+        assert p.lines[-1].startswith(f"batch 64, fp32: cut to {timed} of {steps} timed "
+                                      f"steps ({step_s:.2f} s each")
+    else:
+        assert cut == []
+    assert list(tunebudget.step_indices(None, steps, None)) == list(range(steps + 2))
+
+
+@pytest.mark.slow
+def test_a_short_budget_cuts_or_skips_candidates_and_says_so(tmp_path):
+    """Candidates of 40 timed steps under tune.budget_s 6: each one past the budget is cut
+    to what fits (or not started), tune.json lists them, and tune still chooses."""
+    cfg = tiny_config(tmp_path, tune={"budget_s": 6, "steps": 40, "start_batch": 64,
+                                      "max_batch": 128},
+                      hardware={"nproc_per_node": 2, "threads_per_rank": 1})
+    p = write_config(tmp_path, cfg)
+    ddpflow("prepare", "--config", p, check=True)
+    proc = ddpflow("tune", "--config", p, check=True, timeout=600)
+    t = json.loads((tmp_path / "results/t/tune.json").read_text())
+    said = [ln for ln in proc.stderr.splitlines() if "timed steps" in ln or
+            "would end past" in ln or "budget_s 6 s spent" in ln]
+    assert said and t["skipped"], proc.stderr[-2000:]
+    assert any("(cut to" in s for s in t["skipped"]) or any(
+        "would end past" in ln for ln in said), t["skipped"]
+    measured = [r["batch_size"] for r in t["batch_search"]["candidates"]]
+    assert t["choice"]["batch_size"] in measured + [t["batch_search"]["agreed_max_batch"]]
+    assert "chose" in proc.stderr

@@ -373,3 +373,172 @@ def test_move_into_place_and_preallocate(tmp_path, place):
     with pytest.raises(OSError) as e:
         writing.preallocate(d / "sparse")
     assert e.value.errno == errno.ENOSPC
+
+
+# ---------------------------------------------------------------- the C++ writers
+
+NATIVE_WRITERS = {  # what each writer does on a place; run in a child (TorchScript aborts)
+    "torch.save": "import torch; torch.save({'w': torch.randn(200_000)}, PATH + '/a.pt')",
+    "dcp": ("import torch, torch.distributed.checkpoint as dcp; "
+            "dcp.save({'w': torch.randn(200_000)}, checkpoint_id=PATH + '/ck', no_dist=True)"),
+    "safetensors": ("import torch; from safetensors.torch import save_file; "
+                    "save_file({'w': torch.randn(200_000)}, PATH + '/m.safetensors')"),
+    "onnx": ("import torch, warnings; warnings.simplefilter('ignore'); "
+             "torch.onnx.export(torch.nn.Linear(400, 500), (torch.randn(2, 400),), "
+             "PATH + '/m.onnx', dynamo=False)"),
+}
+RAISE = """
+import sys
+from ddpflow.core.nativewrite import native_error
+PATH = sys.argv[1]
+try:
+    {code}
+except BaseException as e:
+    user = native_error(e, PATH, "the export bundle")
+    print("RAISED", type(e).__name__)
+    print("USER", user)
+"""
+
+
+@pytest.mark.parametrize("kind,words", [("full", "no space left on the device"),
+                                        ("ro", "the file system is read-only")])
+@pytest.mark.parametrize("writer", sorted(NATIVE_WRITERS))
+def test_each_cpp_writers_error_of_a_place_is_one_message(place, kind, words, writer):
+    """The real writers on a real full / read-only tmpfs: torch.save's `unexpected pos`,
+    DCP's CheckpointException (a BaseException with a traceback per rank), safetensors'
+    SafetensorError and the exporter's OSError all become one message naming the place."""
+    d = place(kind)
+    if kind == "full":
+        (d / "filler").write_bytes(b"\0" * (1000 << 10))  # what is left: a few KB
+    code = RAISE.format(code=NATIVE_WRITERS[writer])
+    proc = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
+                          timeout=300)
+    assert "RAISED" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert f"USER cannot write the export bundle at {d}: {words}" in proc.stdout, proc.stdout
+
+
+def test_other_errors_stay_what_they_are():
+    from ddpflow.core.nativewrite import native_error
+
+    assert native_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), "/p",
+                        "x") is None
+    assert native_error(ValueError("bad opset"), "/p", "x") is None
+    err = native_error(RuntimeError("[enforce fail at inline_container.cc:432] . open file "
+                                    "failed because of errno 2 on fopen: No such file or "
+                                    "directory, file path: /p/m.ts"), "/p", "the bundle")
+    assert isinstance(err, UserError) and "torch's writer stopped (open file failed" in str(err)
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert "disk quota exceeded" in str(native_error(wrapped, "/p", "x"))
+
+
+TORCHSCRIPT = """
+import sys, torch
+from pathlib import Path
+from ddpflow.inference import export
+model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5_000)).eval()
+x = torch.rand(4, 3, 8, 8)
+try:
+    export._write_format("torchscript", model, x, model(x), Path(sys.argv[1]) / "model.ts")
+except Exception as e:
+    print("ERROR", type(e).__name__, e)
+"""
+
+
+def test_torchscript_never_starts_on_a_place_it_cannot_fill(place):
+    """TorchScript's zip writer throws from a destructor on a full disk: std::terminate,
+    SIGABRT, a half file. Its free space is checked first, with a margin for the weights it
+    is about to write (a 3.9 MB model on a 1 MB tmpfs)."""
+    d = place("full")
+    proc = subprocess.run([sys.executable, "-c", TORCHSCRIPT, str(d)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-1500:]}"
+    assert (f"ERROR UserError not enough free space for the export bundle at {d}: about "
+            f"4.9 MB needed, 1.0 MB free") in proc.stdout, proc.stdout + proc.stderr[-1500:]
+    assert sorted(os.listdir(d)) == ["before.txt"]
+
+
+def test_a_checkpoint_file_on_a_full_or_read_only_place(place):
+    """checkpoint.write_atomic (every ckpt-*.pt, best.pt, final.pt, a sharded state.pt):
+    checked first, one message naming the file, no temp file left."""
+    from ddpflow.engine import checkpoint
+
+    places = {}
+    for kind, words in (("full", "not enough free space for the stage's checkpoints at"),
+                        ("ro", "cannot write the stage's checkpoints at")):
+        d = places[kind] = place(kind)
+        with pytest.raises(UserError) as e:
+            checkpoint.write_atomic(d / "ckpt-000000008.pt", b"x" * (2 << 20))
+        assert words in str(e.value) and str(d) in str(e.value), str(e.value)
+        assert not [p for p in d.rglob("*") if ".tmp" in p.name]
+    with pytest.raises(UserError, match="the file system is read-only"):
+        checkpoint.write_atomic(places["ro"] / "small.pt", b"x" * 1000)
+    checkpoint.write_atomic(places["full"] / "small.pt", b"x" * 1000)  # fits: written
+    assert (places["full"] / "small.pt").read_bytes() == b"x" * 1000
+
+
+def test_the_ranks_of_a_sharded_checkpoint_refuse_together(tmp_path):
+    """FSDP: every rank writes its shards into one file system; their needs are summed per
+    file system and every rank gets the same refusal (no rank goes into DCP's collectives
+    alone)."""
+    from ddpflow.engine.shardedckpt import check_room
+
+    rooms = [("n1", 7, 10_000_000, 6_000_000), ("n1", 7, 10_000_000, 6_000_000)]
+    with pytest.raises(UserError) as e:
+        check_room(rooms, tmp_path)
+    assert (f"not enough free space for the sharded checkpoint at {tmp_path}: about 12.0 MB "
+            f"needed by 2 rank(s), 10.0 MB free") in str(e.value)
+    check_room([("n1", 7, 10_000_000, 6_000_000), ("n2", 7, 10_000_000, 6_000_000)], tmp_path)
+    check_room([("n1", 7, 10_000_000, 6_000_000), ("n1", 8, 10_000_000, 6_000_000)], tmp_path)
+    with pytest.raises(UserError, match="needed by 1 rank"):
+        check_room([("n1", 7, 10_000_000, 6_000_000), ("n1", 8, 5_000_000, 6_000_000)],
+                   tmp_path)
+
+
+def test_the_metrics_log_on_a_full_disk_is_one_message_of_rank_0(place):
+    """metrics.jsonl is appended by rank 0 alone while the others train on: a full stage
+    folder is one message naming it, raised as rank 0's alone (it waits to be stopped with
+    them, no peer traceback)."""
+    from ddpflow.core.errors import OneRankError
+    from ddpflow.results.metrics import MetricsLog
+
+    d = place("full")
+    log = MetricsLog(d / "metrics.jsonl", keep_until_step=None)
+    with pytest.raises(OneRankError) as e:
+        for step in range(100):
+            log.write({"step": step, "note": "x" * (64 << 10)})
+    assert str(e.value).startswith(f"cannot write the stage's metrics log at {d / 'metrics.jsonl'}"
+                                   f": no space left on the device")
+
+
+def test_a_ranks_report_goes_to_the_launchers_spare_when_its_folder_is_full(place, tmp_path,
+                                                                          monkeypatch, capsys):
+    """The mistake may be that the stage folder's disk is full: error.json then goes to the
+    launcher's scratch folder (DDPFLOW_RANK_ERROR), which the launcher reads too."""
+    from ddpflow.launch import rankerror
+
+    d = place("full")
+    with open(d / "filler", "wb", buffering=0) as f:  # full to the last page
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        except OSError:
+            pass
+    err = UserError("cannot write the stage's metrics log at x: no space left on the device")
+    with rankerror.Reports(d / "stage") as reports:
+        monkeypatch.setenv(rankerror.SPARE, reports.env[rankerror.SPARE])
+        assert not reports.is_file()
+        rankerror.report(d / "stage", err)
+        assert reports.is_file() and reports.message() == str(err)
+        assert not (d / "stage" / "error.json").exists()
+        spare = reports.paths[1]
+    assert not spare.parent.exists()  # the scratch folder goes with the run
+    monkeypatch.setenv(rankerror.SPARE, str(tmp_path / "elsewhere" / "error.json"))
+    with pytest.raises(UserError):  # no spare on this node: said on stderr, then raised
+        rankerror.report(d / "stage", err)
+    assert capsys.readouterr().err == f"ddpflow: error: {err}\n"
+    ok = tmp_path / "stage"
+    with rankerror.Reports(ok) as reports:
+        rankerror.report(ok, err)  # a folder that takes it: there
+        assert (ok / "error.json").is_file() and reports.message() == str(err)

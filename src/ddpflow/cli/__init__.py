@@ -52,7 +52,7 @@ def _rank(args) -> int:
     from ddpflow.engine import stopflag
 
     stopflag.install()  # before the heavy imports: a stop signal in start-up is not lost
-    from ddpflow.launch.launcher import report_rank_error
+    from ddpflow.launch.rankerror import report as report_rank_error
 
     cfg = _resolved(args.resolved)
     folder = (cfg.stage_dir(args.stage) if args.command == "train" else
@@ -137,8 +137,10 @@ def _validate(cfg, args) -> int:
         from ddpflow.sweeps.plan import plan
 
         print(f"# sweep of {len(plan(cfg))} trial(s), each valid", file=sys.stderr)
+    from ddpflow.engine.modelcheck import check_model  # model.kwargs, shard_blocks
     from ddpflow.launch.slurmsizes import resolved  # Slurm sizes left open: from sinfo
 
+    check_model(cfg)
     cfg = resolved(cfg)
     if args.json:
         from ddpflow.config.rerun import hashes
@@ -239,13 +241,14 @@ USER_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     asked = any(a == "--log" or a.startswith("--log=") for a in argv)
-    log = build_parser().parse_known_args(argv)[0].log if asked else None
-    if not log:
+    args = build_parser().parse_known_args(argv)[0] if asked else None
+    if not (args and args.log):
         return _main(argv)
+    from ddpflow.config.inputs import checked_log
     from ddpflow.core.teelog import run_logged
 
-    try:
-        return run_logged(Path(log), lambda: _main(argv))  # one-line errors: log and console
+    try:  # the log checked first (never an input of the command), then truncated
+        return run_logged(checked_log(args.log, args), lambda: _main(argv))
     except UserError as e:  # the log itself (_main reports every other mistake)
         print(f"ddpflow: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlparse
 
+from ddpflow.config.sbatchopts import extra_problem
 from ddpflow.core.errors import short
 
 MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql",
@@ -169,24 +170,10 @@ SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 SLURM_PARTITIONS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(,[A-Za-z0-9][A-Za-z0-9_.-]*)*$")
 SLURM_GPU_MODEL = re.compile(r"^[A-Za-z0-9_.]+$")  # what the executor plugin accepts
 SLURM_EXTRA_WORD = re.compile(r"^[A-Za-z0-9_=:,./@%+-]+$")
-# options the executor (or ddpflow) sets itself, and the key that sets them instead
-SLURM_MANAGED = {
-    "--job-name": "-", "-J": "-", "--output": "-", "-o": "-", "--error": "-", "-e": "-",
-    "--parsable": "-", "--export": "-", "--comment": "-", "--workdir": "-", "--chdir": "-",
-    "-D": "-", "--account": "slurm.account", "-A": "slurm.account",
-    "--partition": "slurm.partition", "-p": "slurm.partition", "--mem": "slurm.mem_mb",
-    "--mem-per-cpu": "slurm.mem_mb", "--ntasks": "hardware.nodes", "-n": "hardware.nodes",
-    "--ntasks-per-gpu": "-", "--cpus-per-task": "slurm.cpus", "-c": "slurm.cpus",
-    "--cpus-per-gpu": "slurm.cpus_per_gpu", "--time": "slurm.runtime_min",
-    "-t": "slurm.runtime_min", "--constraint": "-", "-C": "-", "--qos": "-",
-    "--nodes": "hardware.nodes", "-N": "hardware.nodes", "--clusters": "-", "-M": "-",
-    "--gres": "slurm.gres", "--gpus": "slurm.gpus", "-G": "slurm.gpus",
-    "--signal": "slurm.signal_before_end_s"}
-
-
 def slurm_extra_problem(extra: str) -> str | None:
     """slurm.extra: sbatch options as plain words the executor's shell line keeps as they
-    are, none that the executor or ddpflow sets from another key."""
+    are, each one sbatch takes and a user may add (none that the executor or ddpflow sets
+    from another key, nor one that changes what the job is)."""
     for word in extra.split():
         if not SLURM_EXTRA_WORD.fullmatch(word):
             bad = sorted({c for c in word if not SLURM_EXTRA_WORD.fullmatch(c)})
@@ -195,14 +182,9 @@ def slurm_extra_problem(extra: str) -> str | None:
                     f"into a shell line unquoted, so ddpflow takes only sbatch options made "
                     f"of letters, digits and _ = : , . / @ % + - separated by spaces (no "
                     f"quotes needed, e.g. --gpus-per-node=8 --mail-type=END)")
-        option = word.split("=", 1)[0]
-        if option in SLURM_MANAGED:
-            key = SLURM_MANAGED[option]
-            instead = (f"set {key} instead" if key != "-" else
-                       "the Slurm executor sets it (a per-rule resource: snakemake "
-                       "--set-resources)")
-            return f"sets {option}, which ddpflow passes to sbatch itself: {instead}"
-    return None
+    # the options as sbatch reads them (prefixes, short forms, values): only those a user
+    # may add pass (sbatchopts.py)
+    return extra_problem(extra)
 
 
 def slurm_problem(s: dict) -> tuple[str, str] | None:

@@ -14,6 +14,13 @@ class UserError(Exception):
     exit_code = 2
 
 
+class OneRankError(UserError):
+    """A mistake that one rank alone finds (a bad item in its share of the data) while its
+    peers go on into a collective with it. Once it is reported, the rank waits to be stopped
+    with the others (launch/rankerror.report) instead of leaving: its peers would
+    otherwise fail first on the closed connection, each with a traceback."""
+
+
 class Stopped(BaseException):
     """SIGTERM (what Slurm, Snakemake and `kill` send) during a one-process command, raised
     from its handler so that the command cleans up as it does for Ctrl-C."""

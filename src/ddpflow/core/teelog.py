@@ -31,17 +31,36 @@ DRAIN_S = 10.0  # seconds to wait for a child that still holds the pipe (a daemo
 
 
 class Tee:
-    """What the pump saw: the last exception line (`last_error`, text or None)."""
+    """What the pump saw: the last exception line (`last_error`, text or None), and why the
+    log stopped taking output (`log_failed`: a full disk, say; None while it takes it)."""
 
     last_error: str | None = None
+    log_failed: str | None = None
+
+
+def _to_log(log, chunk: bytes, tee: Tee, console_fd: int) -> None:
+    """chunk into the log, flushed (a log someone tails, and the part written before a
+    kill). A log that cannot take more (its disk filled up) is said once, on the console, and
+    the command goes on: its result does not depend on its log."""
+    if tee.log_failed is not None:
+        return
+    try:
+        log.write(chunk)
+        log.flush()
+    except OSError as e:
+        from ddpflow.core.writing import user_os_error
+
+        user = user_os_error(e, log.name, "the log")
+        tee.log_failed = str(user) if user else f"cannot write the log {log.name}: {e}"
+        os.write(console_fd, f"ddpflow: warning: {tee.log_failed}; the command goes on, its "
+                             f"output from here on is not in the log\n".encode())
 
 
 def _pump(read_fd: int, log, console_fd: int, shown: re.Pattern, tee: Tee) -> None:
     """Copy the pipe into the log as it comes; whole lines that match also to the console."""
     pending = b""
     while chunk := os.read(read_fd, 1 << 16):
-        log.write(chunk)
-        log.flush()  # a log someone tails, and the part written before a kill
+        _to_log(log, chunk, tee, console_fd)
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:
@@ -100,5 +119,8 @@ def tee_log(path: Path, shown: re.Pattern = SHOWN):
         pump.join(DRAIN_S)
         os.close(saved[0])
         if not pump.is_alive():  # else a leftover child still writes: the pump keeps both
-            log.close()
+            try:
+                log.close()
+            except OSError:  # (a full disk: already said by the pump)
+                pass
             os.close(saved[1])

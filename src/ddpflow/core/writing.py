@@ -20,6 +20,10 @@ right result or one UserError naming the path and what to do:
 - `require_free_space(folder, need, what)`: before a C++ writer that aborts the process
   on a full disk (torch.jit.save, the ONNX exporter).
 - `output_lock(target, what)`: one writer per place; a second is told who holds it.
+- `check_log_place(path, inputs)`: `--log FILE` is a place a log can be, and none of the
+  command's inputs (teelog.py then truncates it, as `> FILE` would).
+The C++ writers (torch.save, DCP, TorchScript, ONNX, safetensors) go through
+`nativewrite.native_writer`, which uses this module's messages.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
@@ -158,6 +163,7 @@ def require_free_space(folder: str | Path, need_bytes: int, what: str) -> None:
     with writing(folder, what):
         free = shutil.disk_usage(folder).free
     if free < need_bytes:
+        folder, what = _PLACE.get() or (folder, what)  # the place the user chose, not a temp
         raise UserError(f"not enough free space for {what} at {folder}: about "
                         f"{_mb(need_bytes)} needed, {_mb(free)} free; free space there or "
                         f"choose another place")
@@ -323,4 +329,39 @@ def claim_file(path: str | Path, what: str, ours: Callable[[Path], bool],
             raise _refuse(path, what, "is a folder, not a file", other)
         if path.exists() and not ours(path):
             raise _refuse(path, what, "already exists and was not written by ddpflow", other)
+    return path
+
+
+# files a log never replaces: what configs, weights, data, code and reports are named
+NOT_A_LOG = frozenset(".yaml .yml .json .jsonl .toml .py .smk .sh .ipynb .md .html .csv .tsv "
+                      ".pt .pth .ckpt .bin .safetensors .onnx .ts .npy .npz .distcp .sif .gz "
+                      ".tgz .tar .zip .png .jpg .jpeg .webp .bmp .tif .tiff .gif".split())
+
+
+def check_log_place(path: str | Path, inputs: dict[str, str]) -> Path:
+    """`path` as a place for a command's log, which is truncated before the command runs:
+    refused (one UserError, nothing touched) when it is one of the command's `inputs`
+    (what -> path: the config, a file the config or an argument names), when its name is
+    that of a config, weights, data or code file, or when it is a folder, a FIFO or a
+    device."""
+    path = Path(path)
+    fix = "give --log a file of its own, e.g. run.log"
+    if os.path.exists(path):  # (a dangling symlink: its target is made, as `>` makes it)
+        with writing(path, "the log"):
+            kind = os.stat(path).st_mode
+        if not stat.S_ISREG(kind):
+            what = "a folder" if stat.S_ISDIR(kind) else "not a regular file"
+            raise UserError(f"--log {path} is {what}; {fix}")
+        for what, other in inputs.items():
+            try:
+                same = os.path.samefile(path, other)
+            except OSError:
+                continue
+            if same:
+                raise UserError(f"--log {path} is {what} of this command ({other}): the log "
+                                f"would be written over it; nothing was changed; {fix}")
+    if path.suffix.lower() in NOT_A_LOG:
+        raise UserError(f"--log {path}: a log does not take the name of a {path.suffix} file "
+                        f"(a config, weights, data or code); "
+                        f"nothing was changed; {fix}")
     return path

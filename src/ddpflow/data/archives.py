@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddpflow.core import reading
 from ddpflow.core.errors import UserError
 
 # Official MD5 sums of the files inside the CIFAR "python version" archives.
@@ -136,6 +137,63 @@ def _unpickle(name: str, blob: bytes) -> dict:
                         f"it is truncated or corrupt") from None
 
 
+def view(value, depth: int = 0):
+    """What an unpickled archive member holds, as JSON-Schema can see it (reading.validate):
+    byte keys and strings as text, an array as {"array": shape, "dtype": name}, a list of
+    numbers as such an array; other lists item by item (the first 1000)."""
+    if depth > 8:
+        return "(nested too deep)"
+    if isinstance(value, (bytes, str)):
+        return value.decode(errors="replace") if isinstance(value, bytes) else value
+    if isinstance(value, dict):
+        return {str(view(k, depth + 1)): view(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        return {"array": list(value.shape), "dtype": value.dtype.name}
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                         for v in value):
+            return {"array": [len(value)], "dtype": "int64"}
+        return [view(v, depth + 1) for v in value[:1000]]
+    if isinstance(value, (bool, int, float, np.integer, np.floating)):
+        return value.item() if isinstance(value, np.generic) else value
+    return type(value).__name__
+
+
+_INTS = {"type": "object", "required": ["array", "dtype"],
+         "properties": {"array": {"type": "array", "minItems": 1, "maxItems": 1},
+                        "dtype": {"type": "string", "pattern": "^u?int"}}}
+
+
+def _batch_schema(label_key: str) -> dict:
+    """A CIFAR batch as read: `data` rows of 3 x 32 x 32 bytes, one integer label per row."""
+    return {"type": "object", "required": ["data", label_key],
+            "properties": {"data": {"type": "object", "required": ["array", "dtype"],
+                                    "properties": {
+                                        "array": {"type": "array", "minItems": 2,
+                                                  "maxItems": 2,
+                                                  "prefixItems": [{"type": "integer"},
+                                                                  {"const": 3072}]},
+                                        "dtype": {"const": "uint8"}}},
+                           label_key: _INTS}}
+
+
+def _meta_schema(names_key: str) -> dict:
+    return {"type": "object", "required": [names_key],
+            "properties": {names_key: {"type": "array", "items": {"type": "string"},
+                                       "minItems": 2, "maxItems": 1000}}}
+
+
+def _member(source: str, path: Path, name: str, blob: bytes, schema: dict) -> dict:
+    """A CIFAR member unpickled (data only) and checked against its schema before any field
+    is used (core/reading.py: one message naming the file and the field)."""
+    value = _unpickle(name, blob)
+    reading.validate(view(value), schema, f"{path}: {name}", f"a {source} file",
+                     "it is not an official CIFAR file: replace the archive (the python "
+                     "version from the dataset's site)")
+    return {(k.decode(errors="replace") if isinstance(k, bytes) else k): v
+            for k, v in value.items()}
+
+
 def read_cifar(source: str, path: Path, verify: bool):
     """({train|test: (images NHWC uint8, labels)} of the official files, class names,
     checksum report)."""
@@ -144,20 +202,25 @@ def read_cifar(source: str, path: Path, verify: bool):
     report: dict[str, str] = {}
     for name, blob in members.items():
         _check_md5(name, blob, spec["md5"].get(name), verify, report)
-    meta = _unpickle(spec["meta"][0], members[spec["meta"][0]])
-    classes = [c.decode() if isinstance(c, bytes) else str(c) for c in meta[spec["meta"][1]]]
+    meta_name, names_key = spec["meta"][0], spec["meta"][1].decode()
+    meta = _member(source, path, meta_name, members[meta_name], _meta_schema(names_key))
+    classes = [c.decode(errors="replace") if isinstance(c, bytes) else str(c)
+               for c in meta[names_key]]
+    label_key = spec["label_key"].decode()
     splits = {}
     for split in ("train", "test"):
         xs, ys = [], []
         for name in spec[split]:
-            d = _unpickle(name, members[name])
-            try:
-                x = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-                y = np.asarray(d[spec["label_key"]], dtype=np.int64)
-            except (KeyError, ValueError) as e:
-                raise UserError(f"CIFAR file {name} has an unexpected layout ({e})") from None
+            d = _member(source, path, name, members[name], _batch_schema(label_key))
+            x = np.asarray(d["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+            y = np.asarray(d[label_key], dtype=np.int64)
             if len(x) != len(y):
-                raise UserError(f"CIFAR file {name}: {len(x)} images but {len(y)} labels")
+                raise UserError(f"CIFAR file {name}: {len(x)} images but {len(y)} labels; "
+                                f"it is not an official CIFAR file: replace the archive")
+            if len(y) and (y.min() < 0 or y.max() >= len(classes)):
+                raise UserError(f"CIFAR file {name}: labels {y.min()}..{y.max()}, but "
+                                f"{meta_name} names {len(classes)} classes; it is not an "
+                                f"official CIFAR file: replace the archive")
             xs.append(x.transpose(0, 2, 3, 1))
             ys.append(y)
         splits[split] = (np.concatenate(xs), np.concatenate(ys))
@@ -182,17 +245,38 @@ def _read_idx(path: Path, verify: bool, expected_md5: str | None, report: dict) 
             raise UserError(f"{path} is truncated or corrupt ({e})") from None
     else:
         report[path.name] = "no official checksum for the uncompressed file"
-    if len(raw) < 4:
-        raise UserError(f"{path} is truncated: no IDX header")
-    zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or dtype_code != 0x08:
-        raise UserError(f"{path} is not an IDX file of unsigned bytes")
-    dims = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
-    body = raw[4 + 4 * ndim:]
-    if len(body) != int(np.prod(dims)):
-        raise UserError(f"{path} is truncated: header says {dims}, "
-                        f"{len(body)} bytes of data follow")
+    header = idx_header(raw)
+    if not header["complete"]:
+        raise UserError(f"{path} is truncated: it ends inside its IDX header; replace the file")
+    reading.validate(header, IDX_SCHEMA, path, "an IDX file",
+                     "it is not an official (Fashion-)MNIST file: replace it")
+    dims = tuple(header["dims"])
+    body = raw[4 + 4 * len(dims):]
+    want = int(np.prod(dims, dtype=np.int64))
+    if len(body) != want:
+        raise UserError(f"{path} is truncated: its header says {dims} ({want} bytes), "
+                        f"{len(body)} bytes of data follow; replace the file")
     return np.frombuffer(body, dtype=np.uint8).reshape(dims)
+
+
+# an IDX header as ddpflow reads it: magic 0 0, unsigned bytes (0x08), images (3 dims) or
+# labels (1 dim), each dimension within what (Fashion-)MNIST can hold
+IDX_SCHEMA = {"type": "object", "required": ["zero", "dtype", "dims"],
+              "properties": {"zero": {"const": 0}, "dtype": {"const": 8},
+                             "dims": {"type": "array", "minItems": 1, "maxItems": 3,
+                                      "items": {"type": "integer", "minimum": 1,
+                                                "maximum": 10_000_000}}}}
+
+
+def idx_header(raw: bytes) -> dict:
+    """The fields of an IDX header (for IDX_SCHEMA), whatever the bytes: `complete` False
+    when the file ends inside its header."""
+    if len(raw) < 4:
+        return {"zero": None, "dtype": None, "dims": [], "complete": False}
+    zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
+    n = min(ndim, (len(raw) - 4) // 4)
+    dims = list(struct.unpack(">" + "I" * n, raw[4:4 + 4 * n]))
+    return {"zero": zero, "dtype": dtype_code, "dims": dims, "complete": n == ndim}
 
 
 def read_idx(source: str, path: Path, verify: bool):

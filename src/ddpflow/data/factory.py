@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from ddpflow.core.errors import UserError
+from ddpflow.data import stream
 from ddpflow.data.sampling import EpochSampler, Spec
 from ddpflow.seams import contract
 from ddpflow.seams.userimport import add_code_dirs, call, load_callable
@@ -86,8 +87,12 @@ class FactoryBatches:
     """One rank's training batches of a user dataset, epoch by epoch, resumable mid-epoch."""
 
     def __init__(self, ds, batch_size, device, world, rank, seed, data_cfg, trace=None,
-                 accum: int = 1, sampling: Spec | None = None, labels=None):
+                 accum: int = 1, sampling: Spec | None = None, labels=None,
+                 classify: bool = False):
         self.batch_size, self.device, self.trace = batch_size, device, trace
+        # every batch checked against the seam contract (stream.py): the dataset's name and
+        # class count, and whether its targets are class indices (the classification task)
+        self.check = (f"data.factory {data_cfg.factory}", "train", num_classes_of(ds), classify)
         sampling = sampling or Spec()  # data.sampling over the dataset's `targets`
         self.sampler = EpochSampler(len(ds), world, rank, seed, batch_size, accum,
                                     sampling.draws(labels, len(ds)), sampling.repeats)
@@ -105,18 +110,27 @@ class FactoryBatches:
 
     def epoch(self, epoch: int, start_step: int = 0):
         self.sampler.set_epoch(epoch, start_step * self.batch_size)
-        for step, batch in enumerate(self.loader, start=start_step):
+        order = list(self.sampler)  # the dataset index of each sample the loader reads
+        name, split, classes, classify = self.check
+        batches = stream.checked(self.loader, self.loader.dataset, order, self.batch_size,
+                                 name, split, classes, classify)
+        for step, batch in enumerate(batches, start=start_step):
             if self.trace:
                 self.trace.write(f"{epoch} {step}\n")
             yield to_device(batch, self.device)
 
 
-def val_batches(ds, batch_size, device, world, rank, data_cfg):
-    """This rank's strided share of the validation split, in order."""
-    part = Subset(ds, range(rank, len(ds), world))
-    loader = DataLoader(part, batch_size=batch_size, num_workers=min(data_cfg.num_workers, 2),
+def val_batches(ds, batch_size, device, world, rank, data_cfg, split: str = "val",
+                classify: bool = False):
+    """This rank's strided share of a held-out split, in order, each batch checked as a
+    training batch is (stream.py)."""
+    indices = range(rank, len(ds), world)
+    loader = DataLoader(Subset(ds, indices), batch_size=batch_size,
+                        num_workers=min(data_cfg.num_workers, 2),
                         pin_memory=data_cfg.pin_memory and device.type == "cuda")
-    for batch in loader:
+    for batch in stream.checked(loader, ds, indices, batch_size,
+                                f"data.factory {data_cfg.factory}", split, num_classes_of(ds),
+                                classify):
         yield to_device(batch, device)
 
 

@@ -106,15 +106,17 @@ def _user_dataset(cfg, d, meta, batch_size, trace, accum: int) -> Pipeline:
                         f"data.factory {cfg.data.factory} dataset does not say its samples' "
                         f"classes; give it `targets` (a class index per sample, as "
                         f"torchvision's datasets have), or set data.materialize: true")
+    classify = cfg.task.name == "classification"  # targets are class indices: checked
     train = factory.FactoryBatches(train_ds, batch_size, d.device, d.world, d.rank, cfg.seed,
                                    cfg.data, trace, accum, sampling(
                                        cfg, labels, len(train_ds), info["num_classes"]
-                                       or meta.get("num_classes")), labels)
+                                       or meta.get("num_classes")), labels, classify)
 
     def held_out(split: str):
         def batches(val_batch: int):
             ds = val_ds if split == "val" else factory.dataset(cfg, "test")  # at the end only
-            return factory.val_batches(ds, val_batch, d.device, d.world, d.rank, cfg.data)
+            return factory.val_batches(ds, val_batch, d.device, d.world, d.rank, cfg.data,
+                                       split, classify)
         return batches
 
     test = held_out("test") if meta["counts"].get("test", {}).get("total") else None

@@ -21,7 +21,11 @@ from pathlib import Path
 
 import torch
 
+from ddpflow.core import reading
 from ddpflow.core.checksum import sha256_of, verify  # noqa: F401 - checkpoint.verify/sha256_of
+from ddpflow.core.errors import UserError
+from ddpflow.core.nativewrite import native_writer
+from ddpflow.core.writing import writing
 
 PATTERN = re.compile(r"^ckpt-(\d+)\.(?:pt|dcp)$")
 STATE = "state.pt"  # the TrainState part of a sharded checkpoint folder
@@ -38,16 +42,41 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, payload: bytes) -> None:
+WHAT = "the stage's checkpoints"  # how a full or read-only stage folder is named
+
+
+def write_atomic(path: Path, payload: bytes, what: str = WHAT) -> None:
+    """payload into path, whole or not at all: the free space checked first (with a margin),
+    the temp file removed on any failure (the space it took is free again for the one-line
+    report), a full or read-only place one UserError naming it (core/nativewrite.py)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with writing(path, what):
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with native_writer(path, what, len(payload)):
+        try:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     _fsync_dir(path.parent)
+
+
+def state_bytes(obj) -> int:
+    """Bytes of the tensors in a state (nested dicts/lists; a DTensor: this rank's shard):
+    what a writer of it is about to put on disk."""
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    return 0
 
 
 def serialize(obj) -> bytes:
@@ -83,11 +112,12 @@ def save(folder: Path, step: int, state: dict, keep_last: int) -> Path:
 def prune(folder: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints (files or sharded folders) of `folder`."""
     for _, old in list_checkpoints(folder)[:-keep_last]:
-        _remove(old)
+        remove(old)
         Path(str(old) + ".sha256").unlink(missing_ok=True)
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
+    """A checkpoint (file or sharded folder) of the stage's own folder, or its temp copy."""
     import shutil
 
     if path.is_dir() and not path.is_symlink():
@@ -98,7 +128,7 @@ def _remove(path: Path) -> None:
 
 def empty_folder(path: Path) -> None:
     """`path` (a sharded checkpoint's temp folder under checkpoints/) new and empty."""
-    _remove(path)
+    remove(path)
     path.mkdir(parents=True)
 
 
@@ -106,7 +136,7 @@ def place_folder(tmp: Path, final: Path) -> None:
     """A finished sharded checkpoint's temp folder renamed into place (an older run's
     folder of the same step, never resumed, replaced)."""
     if final.exists():
-        _remove(final)
+        remove(final)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
 
@@ -198,8 +228,14 @@ def verify_folder(path: Path) -> str | None:
         if not any(len(x) == 2 and x[1] == STATE for x in listed):
             return "checksum file cut short"
         for entry in listed:
-            if len(entry) != 2 or sha256_of(path / entry[1]) != entry[0]:
+            if len(entry) != 2:
                 return f"checksum mismatch in {entry[-1]} (truncated or corrupt)"
+            # a name that leaves the folder ('..', absolute, a symlink out) is never read
+            inside = reading.inside(path, entry[1], f"{side.name}: a file it lists")
+            if sha256_of(inside) != entry[0]:
+                return f"checksum mismatch in {entry[-1]} (truncated or corrupt)"
+    except UserError:
+        return "its checksum file names a file outside the folder (not written by ddpflow)"
     except OSError as e:
         return f"cannot be read ({e.strerror or type(e).__name__})"
     return None
@@ -246,7 +282,7 @@ def remove_partial(folder: Path) -> None:
     if Path(folder).is_dir():
         for p in Path(folder).glob(".ckpt-*.tmp*"):
             print(f"ddpflow: removing unfinished checkpoint write {p.name}", file=sys.stderr)
-            _remove(p)
+            remove(p)
 
 
 def load_weights(path: Path, setting: str) -> dict:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ddpflow.core.errors import OneRankError, UserError
 from ddpflow.engine import checkpoint, distributed, resume
 from ddpflow.engine.ema import Ema
 from ddpflow.engine.stagelog import write_best
@@ -48,6 +49,20 @@ class Parts:
         return unwrap(self.model)
 
 
+class RankZeroWriter(checkpoint.BackgroundWriter):
+    """Rank 0's writes (best.pt; a DDP checkpoint): a place that cannot take them (a full
+    disk) is a mistake rank 0 alone finds while the other ranks train on, so it is raised as
+    OneRankError (reported, rank 0 waits to be stopped with them: no rank crashes first)."""
+
+    def wait(self) -> None:
+        try:
+            super().wait()
+        except OneRankError:
+            raise
+        except UserError as e:
+            raise OneRankError(str(e)) from None
+
+
 class Checkpointer:
     def __init__(self, files: StageFiles, cfg_checkpoint, dist, parts: Parts):
         self.files, self.dist, self.parts = files, dist, parts
@@ -55,7 +70,7 @@ class Checkpointer:
         self.every_epochs = cfg_checkpoint.every_epochs  # 0: none at epoch ends
         self.keep_last = cfg_checkpoint.keep_last
         self.best_due = False  # validation found a new best: best.pt with the next save
-        self.writer = checkpoint.BackgroundWriter(cfg_checkpoint.background)
+        self.writer = RankZeroWriter(cfg_checkpoint.background)
         self.host_copy = checkpoint.HostCopy()
         self.shards = None
         if parts.sharded:  # every rank: a collective (the writer's own process group)

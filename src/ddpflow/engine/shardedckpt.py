@@ -29,6 +29,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ddpflow.core.checksum import sha256_of
+from ddpflow.core.errors import UserError
+from ddpflow.core.nativewrite import free_bytes, native_error, need_bytes
 from ddpflow.engine import checkpoint
 
 
@@ -71,23 +73,51 @@ class ShardedWriter:
         tmp = self.folder / f".{final.name}.tmp"
         if self.d.is_master:
             checkpoint.empty_folder(tmp)  # (a killed write of this very step: gone)
-        distributed.gather_objects(self.d, None)  # barrier: the folder is there, empty
         # buffers (BatchNorm's statistics) are not sharded and DCP saves one rank's copy:
         # rank 0's, as a DDP checkpoint and validation take them
         distributed.broadcast_buffers(self.d, model)
+        shards = state_dicts(model, opt)
+        # every rank's bytes to write and free space, gathered (also the barrier: the folder
+        # is there, empty): all ranks refuse together, before DCP's writer could fail in C++
+        rooms = distributed.gather_objects(self.d, room(self.folder,
+                                                        checkpoint.state_bytes(shards)))
+        try:
+            check_room(rooms, self.folder)
+        except UserError:
+            if self.d.is_master:
+                checkpoint.remove(tmp)  # nothing of this checkpoint is left
+            raise
         # blocks until the shards are copied to host memory; the files come in the thread
-        future = dcp.async_save(state_dicts(model, opt), checkpoint_id=str(tmp),
-                                process_group=self.group, storage_writer=_faulty(tmp, step))
+        future = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self.group,
+                                storage_writer=_faulty(tmp, step))
         if self.d.is_master:
             self.writer.submit(self._finish, future, tmp, final, state)
         else:
-            self.writer.submit(future.result)
+            self.writer.submit(self._shards, future, tmp)
+
+    def _shards(self, future, tmp: Path) -> None:
+        """In the thread: until DCP has written this rank's shards. DCP agrees on a failure
+        across the ranks (every rank raises it); it is one message naming the place, and
+        rank 0 removes the half-written folder."""
+        try:
+            future.result()
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException
+            if self.d.is_master:
+                checkpoint.remove(tmp)
+            user = native_error(e, self.folder, WHAT)
+            if user is None:
+                raise
+            raise user from None
 
     def _finish(self, future, tmp: Path, final: Path, state: dict) -> None:
         """Rank 0, in the thread: once DCP's metadata is written (every rank's shards are),
         state.pt, the rename and the checksums; then keep-last."""
-        future.result()
-        checkpoint.write_atomic(tmp / checkpoint.STATE, checkpoint.serialize(state))
+        self._shards(future, tmp)
+        try:
+            checkpoint.write_atomic(tmp / checkpoint.STATE, checkpoint.serialize(state))
+        except BaseException:
+            checkpoint.remove(tmp)
+            raise
         sums = "".join(f"{sha256_of(f)}  {f.relative_to(tmp)}\n"
                        for f in sorted(tmp.rglob("*")) if f.is_file())
         checkpoint.place_folder(tmp, final)
@@ -147,6 +177,33 @@ def _faulty(tmp: Path, step: int):
     writer = FileSystemWriter(tmp)
     writer.fs = Dying()
     return writer
+
+
+WHAT = "the sharded checkpoint"
+
+
+def room(folder: Path, payload: int) -> tuple:
+    """This rank's (host, file system, free bytes, bytes it needs) for a write into folder."""
+    import os
+    import socket
+
+    # (rank 0 may not have made the folder yet: the file system is its nearest existing part)
+    there = next(p for p in (folder, *folder.parents) if p.exists())
+    return socket.gethostname(), os.stat(there).st_dev, free_bytes(there), need_bytes(payload)
+
+
+def check_room(rooms: list, folder: Path) -> None:
+    """Every rank's `room`, gathered: one UserError (the same on every rank) when the ranks
+    that share a file system need more than it has free."""
+    by_fs: dict = {}
+    for host, dev, free, need in rooms:
+        have, total, n = by_fs.get((host, dev), (free, 0, 0))
+        by_fs[(host, dev)] = (min(have, free), total + need, n + 1)
+    for have, total, n in by_fs.values():
+        if total > have:
+            raise UserError(f"not enough free space for {WHAT} at {folder}: about "
+                            f"{total / 1e6:.1f} MB needed by {n} rank(s), {have / 1e6:.1f} MB "
+                            f"free; free space there or choose another results_dir")
 
 
 def load_shards(path: Path, model, opt) -> None:

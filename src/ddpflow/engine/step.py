@@ -5,9 +5,12 @@ checkpoints: those are the sync points)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
+from ddpflow.core.errors import UserError
 from ddpflow.engine.state import TrainState
 from ddpflow.seams.models import forward
 from ddpflow.seams.tasks import check_loss
@@ -79,7 +82,11 @@ def micro_step(net: nn.Module, batch, task, autocast, scaler, accum: int,
     if clock:
         clock.start()
     with autocast:
-        loss = task.loss(forward(net, batch[0]), batch)
+        outputs = forward(net, batch[0])
+        try:
+            loss = task.loss(outputs, batch)
+        except IndexError as e:  # (a CPU kernel's check; on a GPU a device-side assert)
+            raise out_of_bounds(e, outputs) or e from None
         if check_as:
             check_loss(loss, check_as)
         loss = loss / accum
@@ -87,6 +94,20 @@ def micro_step(net: nn.Module, batch, task, autocast, scaler, accum: int,
         clock.stop()  # the backward all-reduces: it waits for the slowest rank
     scaler.scale(loss).backward()
     return loss
+
+
+def out_of_bounds(err: IndexError, outputs) -> UserError | None:
+    """cross_entropy's `Target 9 is out of bounds.` (a label beyond the model's outputs, in
+    a dataset that declares no class count, so data/stream.py could not name its item) as
+    one message; None for any other IndexError."""
+    m = re.search(r"Target (-?\d+) is out of bounds", str(err))
+    if not m:
+        return None
+    width = (f"{outputs.shape[1]} outputs" if isinstance(outputs, torch.Tensor)
+             and outputs.ndim == 2 else "fewer outputs")
+    return UserError(f"a training batch holds label {m.group(1)}, but the model returns "
+                     f"{width} per sample (one per class); fix the label, or give the dataset "
+                     f"num_classes (or classes) so that ddpflow names the item")
 
 
 def update(model: nn.Module, opt, sched, scaler, grad_clip: float | None,

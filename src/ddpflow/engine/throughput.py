@@ -14,7 +14,7 @@ import time
 import torch
 
 from ddpflow.data.loaders import Normalize, TrainBatches, forever
-from ddpflow.engine import distributed, sharding
+from ddpflow.engine import distributed, sharding, tunebudget
 from ddpflow.engine.build import model_blocks, optimizer_parts
 from ddpflow.engine.state import TrainState
 from ddpflow.engine.step import StepCounters, micro_step, update
@@ -45,7 +45,7 @@ def measure(p, batch: int, loader: str, workers: int, prefetch, precision: str,
                       resident=p.device_data() if loader == "device" else None)
     batches, counters = forever(tb.epoch), StepCounters(TrainState(), d.device)
     wait, n = 0.0, 0
-    for i in range(steps):
+    for i in tunebudget.step_indices(p.pace, cfg.tune.steps, d.device):  # cut to the budget
         if i == WARMUP_STEPS:
             if d.device.type == "cuda":
                 torch.cuda.synchronize(d.device)

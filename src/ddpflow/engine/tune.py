@@ -46,7 +46,15 @@ from ddpflow.core.writing import write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.loaders import BadSamples, choose_loader
 from ddpflow.data.resident import resident_split
-from ddpflow.engine import distributed, memory, settings, sharding, stopflag, throughput
+from ddpflow.engine import (
+    distributed,
+    memory,
+    settings,
+    sharding,
+    stopflag,
+    throughput,
+    tunebudget,
+)
 from ddpflow.engine.build import model_blocks
 from ddpflow.seams.contract import probe
 from ddpflow.seams.models import build_model, input_channels
@@ -54,7 +62,6 @@ from ddpflow.seams.models import build_model, input_channels
 STOPPED = "stopped.json"  # in <run>/tune: the ranks stopped on a signal (TuneStopped)
 
 GAIN = 1.05  # a doubled batch must be this much faster per sample to keep climbing
-
 
 
 class TuneStopped(Exception):
@@ -65,7 +72,6 @@ class TuneStopped(Exception):
     def __init__(self, signal: str, at: list):
         super().__init__(signal)
         self.signal, self.at = signal, at
-
 
 
 class Pace:
@@ -117,21 +123,10 @@ class Pace:
         return self._agreed(go_on) and self.check()
 
 
-
-def all_min(d, value: int) -> int:
-    if not d.backend:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
-
 # fp16 is chosen over bf16 only when more than 10% faster: it needs a GradScaler and its
 # narrow range skips steps on overflow, while a few timed steps differ by several percent
 # from run to run (noise is no reason to take the riskier format)
 FP16_MARGIN = 1.10
-
 
 
 def pick_precision_row(rows: list[dict]) -> dict:
@@ -144,7 +139,6 @@ def pick_precision_row(rows: list[dict]) -> dict:
         if best["samples_per_s"] <= FP16_MARGIN * rival["samples_per_s"]:
             return rival
     return best
-
 
 
 @dataclasses.dataclass
@@ -179,7 +173,7 @@ class Probe:
         return memory.trial_bytes(self, b, precision, channels_last)
 
     def fits_everywhere(self, need: int | None) -> bool:
-        return bool(all_min(self.d, int(need is not None)))  # every rank must fit
+        return bool(distributed.all_min(self.d, int(need is not None)))  # every rank must fit
 
     def device_data(self) -> tuple:
         """The training split on the device, uploaded (decoded once per node) at the first
@@ -194,7 +188,6 @@ class Probe:
     def measure(self, *candidate) -> dict:
         """Throughput of real training steps with these settings (throughput.measure)."""
         return throughput.measure(self, *candidate)
-
 
 
 def search_batch(p: Probe, precision: str) -> dict:
@@ -220,7 +213,7 @@ def search_batch(p: Probe, precision: str) -> dict:
     own_max, trials = memory.find_max_batch(
         fits, min(tc.start_batch, limit), limit,
         climb=lambda b: p.pace.keeps_climbing(b, p.last_step_s))
-    agreed = all_min(d, own_max)
+    agreed = distributed.all_min(d, own_max)
     if agreed < 1:
         raise UserError("not even a batch of 1 fits in device memory; choose a smaller "
                         "model or image size")
@@ -228,11 +221,9 @@ def search_batch(p: Probe, precision: str) -> dict:
             "memory": needs}
 
 
-
 def _measured(p: Probe, what: str, *args) -> dict | None:
     """One throughput measurement with a progress line, or None when the budget is spent."""
-    if not p.pace.check(what):
-        p.pace.skip(what)
+    if not tunebudget.admits(p.pace, what):  # (budget spent, or it would end past it)
         return None
     try:
         row = p.measure(*args)
@@ -241,7 +232,6 @@ def _measured(p: Probe, what: str, *args) -> dict | None:
     p.pace.say(f"{what}: {row['samples_per_s']:.0f} samples/s, data wait "
                f"{row['data_wait_fraction']:.0%}")
     return row
-
 
 
 def choose(p: Probe, agreed: int, precision: str, device_ok: bool) -> tuple:
@@ -283,7 +273,6 @@ def choose(p: Probe, agreed: int, precision: str, device_ok: bool) -> tuple:
     return choice, batch_rows, loader_rows, prec_rows
 
 
-
 def _precisions(p: Probe, batch: int, loader: dict) -> list[dict]:
     """Phase 3: each precision x layout (x compile) at the chosen batch; its memory is
     checked on the plain model first, and one that does not fit on every rank is recorded
@@ -311,7 +300,6 @@ def _precisions(p: Probe, batch: int, loader: dict) -> list[dict]:
     return rows
 
 
-
 def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict | None:
     """One rank's tuning; the result (also in tune.json), or None when stopped."""
     st: StageCfg = cfg.stage(stage_name)
@@ -332,7 +320,7 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     nbytes = sum(a.nbytes for split in ("train", "val") for a in arrays[split])
     kind, loader_reason = choose_loader(cfg.data.loader, nbytes, d.device,
                                         cfg.data.device_memory_fraction, free=free)
-    device_ok = bool(all_min(d, int(kind == "device")))
+    device_ok = bool(distributed.all_min(d, int(kind == "device")))
     budget = int((free - (nbytes if device_ok else 0)) * (1 - tc.memory_margin))
     ddp_extra = memory.model_extra(base, blocks, d, st.strategy)
     # on a CPU without a cap nothing runs out of memory: throughput ends the climb instead

@@ -5,6 +5,8 @@ the validation again at half the batch, down to the training batch (which fits).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ddpflow.core.errors import UserError
@@ -67,7 +69,9 @@ class Validator:
             sums = self._sums(net, split)
             # sync point: one rank out of memory means every rank starts again, smaller
             if not any(r[0] for r in distributed.all_gather_floats(self.d, [float(sums is None)])):
-                return sums.reduce(self.d)  # one gather of names, one all-reduce: a sync point
+                values = sums.reduce(self.d)  # one gather of names, one all-reduce: a sync point
+                check_finite(values, sums.totals, self.task_name, net, self.d)
+                return values
             self.batch = max(self.train_batch, self.batch // 2)
             torch.cuda.empty_cache()
             self.say(f"validation ran out of GPU memory; again at {self.batch} per rank")
@@ -114,6 +118,7 @@ class MetricSums:
     def __init__(self, task, task_name: str, device):
         self.task, self.task_name, self.device = task, task_name, device
         self.sums: dict[str, list] = {}  # name -> [sum, count], each a tensor or a number
+        self.totals: dict[str, tuple] = {}  # val_<name> -> (sum, count) of every rank, reduced
 
     def add(self, outputs, batch) -> None:
         values = dict(metric_pairs(self.task.metrics(outputs, batch), self.task_name))
@@ -145,10 +150,12 @@ class MetricSums:
                                else float(v))
             row += sizes[k] or 1
         totals, row, out = distributed.all_sum(d, table).tolist(), 0, {}
+        self.totals = {}  # val_<name> -> (sum, count) of each scalar metric (check_finite)
         for k in names:
             part = totals[row:row + (sizes[k] or 1)]
             row += sizes[k] or 1
             if sizes[k] is None:
+                self.totals[f"val_{k}"] = tuple(part[0])
                 out[k] = part[0][0] / part[0][1] if part[0][1] else float("nan")
             else:
                 out[k] = [t / c if c else None for t, c in part]
@@ -173,3 +180,26 @@ def metrics_text(metrics: dict) -> str:
                     if known else f"{k} -")
         return f"{k} {v:.4f}"
     return ", ".join(one(k, v) for k, v in metrics.items())
+
+
+def check_finite(values: dict, totals: dict, task_name: str, net, d) -> None:
+    """A metric that is NaN or inf while the weights are finite is named (one UserError, the
+    same on every rank): a count of 0 over the whole split, or NaN/inf in what the task's
+    metrics add up. Weights that are not finite are the divergence check's (step.py)."""
+    bad = [k for k in totals if not math.isfinite(values[k])]  # (a scalar the task sums)
+    if not bad:
+        return
+    finite = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                 for p in net.parameters())
+    if not distributed.all_min(d, int(finite)):
+        return
+    k = bad[0]
+    total, count = totals[k]
+    why = (f"no sample was counted for it over the whole split (its count is 0): "
+           f"metrics(outputs, batch) returns a count of 0 for {k[4:]} on every batch"
+           if not count else
+           f"what metrics(outputs, batch) adds up for {k[4:]} holds NaN/inf (sum {total} "
+           f"over a count of {count:g})")
+    raise UserError(f"task.name {task_name}: the metric {k} is {values[k]}, and the weights "
+                    f"are finite (not a divergence): {why}; fix the task's metrics, or the "
+                    f"held-out items they score")

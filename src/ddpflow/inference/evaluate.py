@@ -41,7 +41,7 @@ from ddpflow.seams.models import input_channels
 
 BATCH = 256  # images per forward, per rank
 WHAT = "the evaluation results"
-# what evaluate writes in its folder (error.json: launcher.RANK_ERROR; nodes: the roll call)
+# what evaluate writes in its folder (error.json: rankerror.RANK_ERROR; nodes: the roll call)
 NAMES = ("config.json", "metrics.json", "per_class.csv", "confusion.png", "error.json", "nodes")
 _NUMBER = {"type": "number"}
 # metrics.json as `ddpflow evaluate` reports it (core/reading.py validates it first)
@@ -93,8 +93,9 @@ def _is_evaluation(folder: Path) -> bool:
 
 def _run(cfg: Config, stage: str, split: str, images: str | None, weights: str, meta: dict,
          folder: Path, allow_empty: bool) -> int:
-    from ddpflow.launch.launcher import RANK_ERROR, RANK_ERROR_SCHEMA, plan
+    from ddpflow.launch.launcher import plan
     from ddpflow.launch.procs import run_torchrun
+    from ddpflow.launch.rankerror import Reports
     from ddpflow.launch.slurmnodes import missing_nodes_text, roll_call_dir
     if images is None and meta["counts"][split]["total"] == 0:  # --allow-empty (launch)
         write_json_atomic(folder / "metrics.json", {"stage": stage, "split": split,
@@ -103,17 +104,15 @@ def _run(cfg: Config, stage: str, split: str, images: str | None, weights: str, 
         return 0
     resolved = folder / "config.json"
     write_json_atomic(resolved, cfg.to_dict())
-    for old in ("metrics.json", RANK_ERROR):  # an earlier result never passes for this one
-        (folder / old).unlink(missing_ok=True)
+    (folder / "metrics.json").unlink(missing_ok=True)  # an earlier result never passes
     extra = [f"--split={split}", f"--weights={weights}", f"--out={folder}"]
     extra += [f"--images={images}"] if images else []
     cmd, env = plan(cfg, stage, resolved, extra, command="evaluate-rank")
     remove_scratch(roll_call_dir(resolved))  # several nodes: who answers
-    rc, _ = run_torchrun(cmd, env, watch=folder / RANK_ERROR)
-    rank_error = reading.read_json_or_none(folder / RANK_ERROR, RANK_ERROR_SCHEMA,
-                                           "a rank's report")
-    if rank_error:
-        raise UserError(rank_error.get("message", "a rank stopped on a mistake"))
+    with Reports(folder) as reports:  # a mistake inside a rank (rankerror.py)
+        rc, _ = run_torchrun(cmd, {**env, **reports.env}, watch=reports)
+        if reports.message():
+            raise UserError(reports.message())
     if rc != 0 or not (folder / "metrics.json").is_file():
         why = (rc and missing_nodes_text(cfg, folder)) or f"torchrun exited with {rc}"
         print(f"ddpflow: error: evaluation failed ({why})", file=sys.stderr)

@@ -36,6 +36,7 @@ from ddpflow.config import Config
 from ddpflow.core import reading, writing
 from ddpflow.core.checksum import sha256_of
 from ddpflow.core.errors import UserError
+from ddpflow.core.nativewrite import native_writer, need_bytes
 from ddpflow.data import crops, prepared
 from ddpflow.data.prepare import check_settings
 from ddpflow.inference.common import preprocess, stage_model, warn_if_stale
@@ -102,8 +103,9 @@ def export(cfg: Config, stage: str | None = None, out: str | None = None,
     spec: dict = {}
 
     def build(folder: Path) -> dict:
-        # torch.jit.save and the ONNX exporter abort the process on a full disk: check first
-        writing.require_free_space(folder, space_needed(model), WHAT)
+        # the whole bundle's space first (each writer checks its own again): no work is done
+        # for a bundle that cannot fit
+        writing.require_free_space(folder, need_bytes(len(FILES) * weights_bytes(model)), WHAT)
         checks = {fmt: _write_format(fmt, model, x, ref, folder / name)
                   for fmt, name in FILES.items()}
         spec.update(_spec(cfg, meta, record, channels, checks, folder))
@@ -145,10 +147,9 @@ def is_bundle(folder: Path, strict: bool = True) -> bool:
         "type": "object", "required": ["ddpflow", "files"]}, "model.json") is not None
 
 
-def space_needed(model) -> int:
-    """Bytes the three formats need: each holds the weights once (25% and 1 MB to spare)."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return int(len(FILES) * weights * 1.25) + (1 << 20)
+def weights_bytes(model) -> int:
+    """Bytes of the model's tensors: what each format's file holds once."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def _check_batch(cfg: Config, meta: dict, channels: int) -> torch.Tensor:
@@ -164,12 +165,15 @@ def _check_batch(cfg: Config, meta: dict, channels: int) -> torch.Tensor:
 def _write_format(fmt: str, model, x, ref, path: Path) -> dict:
     """Write one format and check it against `ref`; {"ok", "error", figures}."""
     try:
-        with warnings.catch_warnings():
+        # each writer is C++ (TorchScript's aborts the process on a full disk): the space it
+        # needs is checked first, its errors of the place are one message (nativewrite.py)
+        with warnings.catch_warnings(), native_writer(path, WHAT, weights_bytes(model)):
             warnings.simplefilter("ignore")  # tracer and exporter chatter, not the user's
             out = WRITERS[fmt](model, x, path)
     except Exception as e:  # noqa: BLE001 - a tracer/exporter failure is reported per format
         path.unlink(missing_ok=True)
-        if isinstance(e, OSError) and writing.user_os_error(e, path, WHAT):
+        if isinstance(e, OSError) and writing.user_os_error(e, path, WHAT) or isinstance(
+                e, UserError):
             raise  # a full disk, not the format's fault: build_folder names the target
         return {"ok": False, "checked_on": checked_on(fmt),
                 "error": str(e) if isinstance(e, DeviceCheckError) else

@@ -24,7 +24,7 @@ from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
 from ddpflow.engine import checkpoint, weights
 from ddpflow.engine.heartbeat import RANKS
-from ddpflow.launch import hangreport
+from ddpflow.launch import hangreport, rankerror
 from ddpflow.launch.procs import TORCHRUN, WarmAgent, run_torchrun
 from ddpflow.launch.slurmnodes import (
     check_slurm_gpus,
@@ -244,10 +244,9 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
 # a rank's failed.json and error.json as read here (missing or damaged: none left)
 _TEXT = {"type": "string"}
 FAILED_SCHEMA = {"type": "object", "required": ["reason"], "properties": {"reason": _TEXT}}
-RANK_ERROR_SCHEMA = {"type": "object", "required": ["message"], "properties": {"message": _TEXT}}
 
 
-def _read_json(path: Path, schema: dict = RANK_ERROR_SCHEMA) -> dict | None:
+def _read_json(path: Path, schema: dict) -> dict | None:
     return reading.read_json_or_none(path, schema, "a rank's report")
 
 
@@ -294,7 +293,7 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
     held = (nullcontext() if os.environ.get(container.IN_CONTAINER)
             else locks.exclusive(out / ".lock", f"stage '{stage}' ({out})"))
     preflight(cfg, stage, n)  # read-only: a mistake writes nothing, not even the lock
-    with held:
+    with held, rankerror.Reports(out) as reports:  # a mistake inside a rank: error.json
         summary, stale = stage_result(cfg, stage)
         if summary is not None and not stale:
             print(f"ddpflow: stage '{stage}' already finished with these settings, code and "
@@ -302,7 +301,6 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
             return 0
         refuse_repeated_divergence(cfg, stage)
         out.mkdir(parents=True, exist_ok=True)
-        (out / RANK_ERROR).unlink(missing_ok=True)
         (out / hangreport.REPORT).unlink(missing_ok=True)
         remove_scratch(out / RANKS)  # the last launch's heartbeats, stacks and hang reports
         write_json_atomic(out / "config.json", cfg.to_dict())
@@ -312,11 +310,11 @@ def _launch(cfg: Config, stage: str, dry_run: bool, extra_args: list[str], t0: f
         else:
             write_json_atomic(out / "command.json", {"argv": cmd, "env": env})
             remove_scratch(roll_call_dir(out / "config.json"))
-            rc, stop_signal = run_torchrun(cmd, {**env, LAUNCH_T0: f"{t0:.6f}"},  # ranks
-                                           watch=out / RANK_ERROR, agent=agent,  # count from t0
-                                           hang=hangreport.HangWatch(out))
+            rc, stop_signal = run_torchrun(cmd, {**env, **reports.env,  # ranks count from t0
+                                                 LAUNCH_T0: f"{t0:.6f}"}, watch=reports,
+                                           agent=agent, hang=hangreport.HangWatch(out))
         complete_wall(cfg, stage, t0)
-        return _outcome(cfg, stage, rc, stop_signal, quiet=in_image)
+        return _outcome(cfg, stage, rc, stop_signal, in_image, reports.message())
 
 
 def complete_wall(cfg: Config, stage: str, t0: float) -> None:
@@ -330,17 +328,6 @@ def complete_wall(cfg: Config, stage: str, t0: float) -> None:
     write_summary(cfg.stage_dir(stage) / "summary.json", {
         **summary, "wall": wall, "wall_time_s": wall["total_s"],
         "wall_samples_per_s": wall["samples_per_s"]})
-
-
-RANK_ERROR = "error.json"  # a user mistake found inside a rank (see report_rank_error)
-
-
-def report_rank_error(folder: Path, err: UserError) -> None:
-    """Called in a rank: record the mistake for the launcher, which stops the group and
-    prints it once. The rank then exits 0, so torchrun does not restart a mistake."""
-    folder.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(folder / RANK_ERROR, {"message": str(err),
-                                            "rank": int(os.environ.get("RANK", 0))})
 
 
 def refuse_repeated_divergence(cfg: Config, stage: str) -> None:
@@ -357,13 +344,14 @@ class DivergedBefore(UserError):
     exit_code = EXIT_DIVERGED
 
 
-def _outcome(cfg: Config, stage: str, rc: int, stop_signal: str | None, quiet: bool) -> int:
-    """The launcher's one message and exit code, from what the ranks left behind."""
+def _outcome(cfg: Config, stage: str, rc: int, stop_signal: str | None, quiet: bool,
+             rank_error: str | None = None) -> int:
+    """The launcher's one message and exit code, from what the ranks left behind (a rank's
+    mistake: `rank_error`, rankerror.py)."""
     out = cfg.stage_dir(stage)
     said = (lambda *a, **k: None) if quiet else print
-    rank_error = _read_json(out / RANK_ERROR)
     if rank_error:
-        raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
+        raise UserError(rank_error)
     summary, stale = stage_result(cfg, stage)
     failed = _read_failure(out)
     if failed and failed.get("record") == expected_record(cfg, stage):

@@ -12,8 +12,9 @@ from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
 from ddpflow.engine.tune import STOPPED
-from ddpflow.launch.launcher import RANK_ERROR, _read_json, plan
+from ddpflow.launch.launcher import _read_json, plan
 from ddpflow.launch.procs import run_torchrun
+from ddpflow.launch.rankerror import Reports
 from ddpflow.launch.slurmnodes import check_slurm_gpus, missing_nodes_text, roll_call_dir
 
 STOPPED_SCHEMA = {"type": "object", "required": ["signal"],
@@ -38,16 +39,15 @@ def tune(cfg: Config, stage: str | None, memory_cap_mb: str | None) -> int:
     extra = [f"--memory-cap-mb={memory_cap_mb}"] if memory_cap_mb else []
     cmd, env = plan(cfg, stage, resolved, extra, command="tune-rank")
     print(f"ddpflow: tuning for stage '{stage}': {quoting.shell_line(cmd)}", file=sys.stderr)
-    with locks.exclusive(out / ".lock", f"tuning of run '{cfg.run}' ({out})"):
+    with locks.exclusive(out / ".lock", f"tuning of run '{cfg.run}' ({out})"), \
+            Reports(out) as reports:  # a mistake inside a rank (rankerror.py)
         out.mkdir(parents=True, exist_ok=True)
-        (out / RANK_ERROR).unlink(missing_ok=True)
         (out / STOPPED).unlink(missing_ok=True)
         remove_scratch(roll_call_dir(resolved))
         write_json_atomic(resolved, cfg.to_dict())
-        rc, stop = run_torchrun(cmd, env, watch=out / RANK_ERROR)
-        rank_error = _read_json(out / RANK_ERROR)
-        if rank_error:
-            raise UserError(rank_error.get("message", "a rank stopped on a configuration error"))
+        rc, stop = run_torchrun(cmd, {**env, **reports.env}, watch=reports)
+        if reports.message():
+            raise UserError(reports.message())
         # a signal to a rank alone (not through this launcher): the ranks stopped all the same
         stop = stop or (_read_json(out / STOPPED, STOPPED_SCHEMA) or {}).get("signal")
     result = cfg.run_dir / "tune.json"

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from ddpflow.core import reading
-from ddpflow.core.writing import write_text_atomic
+from ddpflow.core.errors import OneRankError, UserError
+from ddpflow.core.writing import write_text_atomic, writing
 
 METRICS_MAX_BYTES = 1 << 30  # a line per log interval: long runs write tens of MB
 
@@ -26,7 +27,11 @@ class MetricsLog:
         self.f = open(self.path, "a", buffering=1)
 
     def write(self, record: dict) -> dict:
-        self.f.write(json.dumps(record) + "\n")
+        try:  # (line-buffered: a full or read-only stage folder raises here)
+            with writing(self.path, "the stage's metrics log"):
+                self.f.write(json.dumps(record) + "\n")
+        except UserError as e:  # rank 0 alone writes it, the others train on (OneRankError)
+            raise OneRankError(str(e)) from None
         if self.tracker is not None:
             self.tracker.record(record)
         return record

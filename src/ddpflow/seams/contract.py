@@ -183,7 +183,7 @@ def _image_problem(x, in_channels: int | None, materialize: bool) -> str | None:
     return None
 
 
-def _label_problem(y, num_classes: int | None) -> str | None:
+def label_problem(y, num_classes: int | None) -> str | None:
     """What is wrong with a target as a class index, or None."""
     if isinstance(y, (torch.Tensor, np.ndarray)):
         if y.ndim != 0 and not (y.ndim == 1 and y.shape[0] == 1):
@@ -243,7 +243,7 @@ def check_item(item, index: int, factory_name: str, split: str, in_channels: int
     problem = _image_problem(x, in_channels, materialize) if image else None
     if problem:
         raise UserError(f"{where}: its image is {describe(x)}: {problem}")
-    problem = _label_problem(y, num_classes) if classify or materialize else None
+    problem = label_problem(y, num_classes) if classify or materialize else None
     if problem:
         raise UserError(f"{where}: its target is {problem}")
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from ddpflow.core.errors import UserError
+from ddpflow.seams import kwargs
 from ddpflow.seams.contract import Probe, check_model
 from ddpflow.seams.userimport import add_code_dir, call, is_import_path, load_callable
 
@@ -82,12 +83,23 @@ def build_model(mc, num_classes: int | None, data_channels: int | None,
 
 
 def _build(mc, num_classes: int | None, data_channels: int | None) -> nn.Module:
+    """The model, its kwargs checked against its builder first (seams/kwargs.py)."""
     k = kind(mc.name)
+    kwargs.check_kwargs(mc.kwargs, k, mc.name, BUILTIN[mc.name] if k == "builtin" else None)
+    try:
+        return _call_builder(mc, k, num_classes, data_channels)
+    except UserError as e:  # a class behind the builder's **kwargs did not take one
+        raise kwargs.unexpected_keyword(e, mc.kwargs, mc.name) or e from None
+
+
+def _call_builder(mc, k: str, num_classes: int | None, data_channels: int | None):
     if k == "builtin":
-        return BUILTIN[mc.name](num_classes, in_channels=data_channels or 3, **mc.kwargs)
+        return call(BUILTIN[mc.name], "model.name", args=(num_classes,),
+                    kwargs={"in_channels": data_channels or 3, **mc.kwargs})
     if k == "user":
         add_code_dir(getattr(mc, "code_dir", None), "model.code_dir")
         fn = load_callable(mc.name, "model.name")
+        kwargs.check_kwargs(mc.kwargs, k, mc.name, fn)  # the same contract as a built-in's
         model = call(fn, "model.name", kwargs=mc.kwargs,
                      optional={"num_classes": num_classes, "in_channels": data_channels})
         if not isinstance(model, nn.Module):

@@ -283,11 +283,13 @@ def plan(cfg: Config) -> list[tuple[Trial, dict]]:
     for v in d["sweep"]["variants"]:
         for key in v.get("set") or {}:
             check_key(key, f"sweep.variants '{v['name']}' key", schema)
-    out = []
+    from ddpflow.engine.modelcheck import check_model  # as launch checks each trial's model
+
+    out, models = [], set()
     for trial in expand(d):
         try:
             t = _place(cfg, trial_dict(d, trial), trial)
-            from_dict(t)
+            check_model(from_dict(t), models)
         except UserError as e:
             raise UserError(f"sweep trial {trial.id} ({_shown(trial)}): {e}") from None
         out.append((trial, t))

@@ -1,0 +1,58 @@
+"""The files a command reads, as far as its command line and config say: what `--log` may
+never be (a swapped argument or a tab completion once truncated the config before it was
+read: `ddpflow --log c.yaml validate --config c.yaml`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ddpflow.core.errors import UserError
+from ddpflow.core.writing import check_log_place
+
+
+def _strings(value, where: str):
+    """(where, text) of every string in a parsed config value, nested."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{where}.{i}")
+    elif isinstance(value, str):
+        yield where, value
+
+
+def command_inputs(args: argparse.Namespace) -> dict[str, str]:
+    """what -> path of every existing file the command line names (--config, --bundle, the
+    images...) and every existing file its config names (model.weights, init_from, ...): a
+    config that does not read is left to the command, which says why."""
+    found: dict[str, str] = {}
+    for name, value in vars(args).items():
+        option = "an input" if name == "inputs" else \
+            "--set" if name == "overrides" else f"the --{name.replace('_', '-')}"
+        for i, text in enumerate(value if isinstance(value, list) else [value]):
+            if name == "log" or not isinstance(text, str):
+                continue
+            if name == "overrides":  # KEY=VALUE: the value may name a file
+                text = text.partition("=")[2]
+            if os.path.isfile(text):
+                found[f"{option} #{i + 1}" if isinstance(value, list) else option] = text
+    config = getattr(args, "config", None)
+    if isinstance(config, str) and os.path.isfile(config):
+        from ddpflow.config.yamlfile import read_yaml
+
+        try:
+            raw = read_yaml(config)
+        except UserError:
+            raw = {}
+        for where, text in _strings(raw, ""):
+            if os.path.isfile(text):
+                found[f"the file {where} names"] = text
+    return found
+
+
+def checked_log(log: str, args: argparse.Namespace) -> Path:
+    """`--log` checked against the command's inputs (core/writing.py's check_log_place)."""
+    return check_log_place(Path(log), command_inputs(args))
