@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the torchrun line only")
     p.add_argument("--halt-after-steps", type=int, default=None,
                    help="checkpoint and stop after this many optimizer steps (resumable)")
+    p.add_argument("--halt-after-epochs", type=int, default=None,
+                   help="validate, checkpoint and stop at the end of this epoch, before the "
+                        "stage's last (resumable: what a sweep's scheduler pauses a trial at)")
 
     p = sub.add_parser("run", help="prepare the data and run every stage in order")
     _config_args(p)
@@ -76,13 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretend each device has only this much memory (one value, or one "
                         "per rank): for shared GPUs, and for tests without a GPU")
 
-    p = sub.add_parser("sweep", help="a sweep's trials: plan them, or collect the leaderboard")
-    p.add_argument("action", choices=["plan", "collect", "list"],
+    p = sub.add_parser("sweep", help="a sweep's trials: plan, schedule, list, leaderboard")
+    p.add_argument("action", choices=["plan", "collect", "list", "schedule"],
                    help="plan: check every trial and write its config; collect: leaderboard; "
-                        "list: print the trials")
+                        "list: print the trials; schedule: run them with sweep.scheduler / "
+                        "sweep.search (asha, tpe)")
     _config_args(p)
-    p.add_argument("--logs", default=None, help="collect: folder of the trials' workflow logs "
-                   "(default results/<run>/logs/trials), where a failed trial's reason is read")
+    p.add_argument("--logs", default=None, help="folder of the trials' logs (default "
+                   "results/<run>/logs/trials), where a failed trial's reason is read")
+    p.add_argument("--via", choices=["node", "slurm"], default="node", help="schedule: "
+                   "run the trials on this node's slots, or as Slurm jobs (sbatch)")
 
     p = sub.add_parser("doctor", help="what this machine offers for training, and advice")
     _config_args(p)
@@ -134,6 +140,7 @@ def _rank_commands(sub) -> None:
     p.add_argument("--resolved", required=True, help="resolved config JSON written by launch")
     p.add_argument("--stage", required=True)
     p.add_argument("--halt-after-steps", type=int, default=None)
+    p.add_argument("--halt-after-epochs", type=int, default=None)
 
 
 def _weights_arg(p: argparse.ArgumentParser) -> None:
@@ -190,7 +197,7 @@ def _rank(args) -> int:
         if args.command == "train":
             from ddpflow.engine.train import main as train_main
 
-            return train_main(cfg, args.stage, args.halt_after_steps)
+            return train_main(cfg, args.stage, args.halt_after_steps, args.halt_after_epochs)
         from ddpflow.engine.tune import run as tune_run
 
         tune_run(cfg, args.stage, _caps(args.memory_cap_mb))
@@ -206,12 +213,14 @@ def _launch(cfg, args) -> int:
     from contextlib import nullcontext
 
     from ddpflow.launch.container import IN_CONTAINER
+    from ddpflow.launch.halting import rank_args
     from ddpflow.launch.procs import WarmAgent
     from ddpflow.launch.slots import hold
     from ddpflow.results.wallclock import launch_t0
 
     t0 = launch_t0()
-    cfg.stage(args.stage)  # an unknown stage fails before anything runs
+    # an unknown stage or a halt it cannot make fails before anything runs
+    extra = rank_args(cfg.stage(args.stage), args.halt_after_steps, args.halt_after_epochs)
     local = cfg.container.engine == "none" or os.environ.get(IN_CONTAINER)
     warm = local and not args.dry_run and cfg.hardware.nodes == 1
     # a shared node: take a slot (GPUs/cores) first, so the agent and ranks inherit it (a
@@ -221,8 +230,6 @@ def _launch(cfg, args) -> int:
           if pooled else nullcontext()), WarmAgent() if warm else nullcontext() as agent:
         from ddpflow.launch.launcher import launch
 
-        extra = ([f"--halt-after-steps={args.halt_after_steps}"]
-                 if args.halt_after_steps is not None else [])
         return launch(cfg, args.stage, dry_run=args.dry_run, extra_args=extra, t0=t0,
                       agent=agent)
 
@@ -263,17 +270,10 @@ def run(argv: list[str] | None = None) -> int:
 
         with hold(cfg, cfg.run_dir / "tune" / "slot.json", f"{cfg.run}/tune"):
             return tune(cfg, args.stage, args.memory_cap_mb)
-    if args.command == "sweep" and args.action == "collect":
-        from ddpflow.sweeps.leaderboard import collect
-
-        with stop_raises():  # a stopped collect keeps none of its part-written leaderboard
-            text = collect(cfg, args.logs)
-        print(text, end="")
-        return 0
     if args.command == "sweep":
-        from ddpflow.sweeps import plan as sweep
+        from ddpflow.sweeps.commands import command
 
-        return sweep.command(cfg, args)
+        return command(cfg, args)
     return _command(cfg, args)
 
 

@@ -33,7 +33,6 @@ from ddpflow.engine import checkpoint, distributed, earlystop, resume, stagelog,
 from ddpflow.engine.build import data_parts, model_parts, optimizer_parts, stage_setup
 from ddpflow.engine.efficiency import FlopCount, GpuSampler, replica_flops, replicas
 from ddpflow.engine.rankmemory import activation_meter, memory_record
-from ddpflow.engine.resume import stage_files
 from ddpflow.engine.runtime import StopPoll, trace_file
 from ddpflow.engine.saver import Saver, final_weights
 from ddpflow.engine.sharding import check_precision
@@ -52,10 +51,10 @@ from ddpflow.tracking.trackers import open_trackers
 
 
 class Trainer:
-    def __init__(self, cfg: Config, stage: str, halt_after_steps: int | None = None):
+    def __init__(self, cfg: Config, stage: str, halt_after_steps=None, halt_after_epochs=None):
         self.cfg, self.st = cfg, cfg.stage(stage)
         self.out = cfg.stage_dir(self.st.name)
-        self.halt_after_steps = halt_after_steps
+        self.halt_after_steps, self.halt_after_epochs = halt_after_steps, halt_after_epochs
         self.state = TrainState()
         self.diverged: str | None = None  # the reason, once a NaN/inf loss was seen on a rank
         self.halted = False
@@ -88,7 +87,7 @@ class Trainer:
         check_precision(st.strategy, self.precision, cfg.stage_index(st.name))
         self.meta = prepared.read_meta(cfg.data_dir) or prepared.load(cfg.data_dir)[0]
         # the checkpoint to resume, before the data: on other ranks it keeps its global batch
-        self.files = stage_files(cfg, st.name, self.meta, init_source(cfg, st.name))
+        self.files = resume.stage_files(cfg, st.name, self.meta, init_source(cfg, st.name))
         self.chosen = resume.choose(self.files, d) if cfg.checkpoint.resume == "auto" else None
         self.batch_size, self.accum, changed = resume.layout(
             self.chosen, self.settings.batch_size, st.grad_accum_steps, d.world,
@@ -164,7 +163,8 @@ class Trainer:
             s.epoch += 1
             self.in_epoch = 0
             every = self.cfg.checkpoint.every_epochs  # 0: no checkpoint at epoch ends
-            due = bool(every) and s.epoch % every == 0
+            self.halted = s.epoch == self.halt_after_epochs  # a sweep's rung: pause here
+            due = (bool(every) and s.epoch % every == 0) or self.halted  # (resumable)
             if (due or self.best_due) and not self.checkpoint(ckpt=due):
                 break
         self.clock.lap("train")
@@ -385,11 +385,11 @@ class Trainer:
                                self.saver, self.trackers, self.say)
 
 
-def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
+def train_stage(cfg: Config, stage_name: str, halt_after_steps=None, halt_after_epochs=None):
     """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        return Trainer(cfg, stage_name, halt_after_steps).run()
+        return Trainer(cfg, stage_name, halt_after_steps, halt_after_epochs).run()
     except RuntimeError as e:
         mistake = nondeterministic(e, cfg.model.name)
         if mistake is None:
