@@ -19,6 +19,7 @@ import yaml
 from ddpflow.config import endpoints
 from ddpflow.config.messages import message
 from ddpflow.config.stagechecks import check_stage_recipe, check_stages
+from ddpflow.config.sweepchecks import check_sweep
 from ddpflow.config.types import (
     PACKAGE_ROOT,
     Augment,
@@ -151,6 +152,7 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
     _check_recipe(d)
     check_stage_recipe(d)  # progressive_resize, warmup_epochs
     _check_deterministic(d)
+    check_sweep(d)  # scheduler and search against the stages they act on
     return d
 
 

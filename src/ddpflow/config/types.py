@@ -176,10 +176,19 @@ class SweepCfg:
     gpus_per_trial: int
     threads_per_trial: int  # CPU cores per trial on a CPU-only node
     max_trials: int
+    scheduler: str  # none | asha (sweeps/scheduler.py)
+    search: str  # none | tpe: Optuna draws the trials from random.space
+    asha: dict  # {eta, min_epochs, max_epochs}: rungs in epochs of the last stage
+    parallel: int | str  # trials the scheduler trains at once ("auto" = the node's slots)
 
     @property
     def enabled(self) -> bool:
         return bool(self.grid or self.variants or self.random)
+
+    @property
+    def scheduled(self) -> bool:
+        """Trials handed out by one scheduler job (asha, tpe), not one Snakemake job each."""
+        return self.scheduler != "none" or self.search != "none"
 
 
 @dataclass(frozen=True)
