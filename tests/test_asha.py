@@ -70,9 +70,11 @@ def test_higher_rungs_first_and_a_stopped_promotion_before_anything():
 
 
 def test_nan_ranks_last_and_a_pruned_trial_is_never_promoted():
-    # a NaN (None) counts as the rung's worst: the best finite value goes on
-    trials = [_t(0, {1: None}), _t(1, {1: 0.5}), _t(2, {1: 0.4})]
-    assert _next(trials).trial == "t1"
+    # a NaN (None, or a float NaN) counts as the rung's worst: the best finite value goes on
+    for nan in (None, float("nan")):
+        trials = [_t(0, {1: nan}), _t(1, {1: 0.5}), _t(2, {1: 0.4})]
+        job = _next(trials)
+        assert (job.trial, job.why) == ("t1", "promote")
     for t in trials[1:]:
         t.values[1] = None
     assert _next(trials, can_draw=True).new  # all NaN: nothing is promoted, a new trial
@@ -142,6 +144,22 @@ def test_tpe_draws_the_same_trials_from_the_same_seed_and_results():
     assert nxt != draw(SPACE, 8, 8, 20, a, [1, 3], "max")  # another seed
 
 
+def test_tpe_sees_finished_trials_as_complete_and_paused_ones_as_pruned():
+    import optuna
+
+    from ddpflow.sweeps.tpe import _observed
+
+    point = {"stages.0.lr": 0.1, "stages.0.batch_size": 32, "model.kwargs": {"width": 16}}
+    done = _observed(TrialState("a", point, None, 0, "k", {1: 0.5, 2: 0.6, 3: 0.7}, 3, 3),
+                     SPACE, [1, 3])
+    assert done.state == optuna.trial.TrialState.COMPLETE and done.value == 0.7
+    assert done.params == {"stages.0.lr": 0.1, "stages.0.batch_size": 1, "model.kwargs": 1}
+    paused = _observed(TrialState("b", point, None, 1, "k", {1: None}, 1, 1), SPACE, [1, 3])
+    assert paused.state == optuna.trial.TrialState.PRUNED and paused.value is None
+    assert list(paused.intermediate_values) == [1]  # the rung's result (NaN: worst)
+    assert _observed(TrialState("c", point, None, 2), SPACE, [1, 3]) is None  # nothing yet
+
+
 # --------------------------------------------------------------------------- config
 ASHA = {"grid": {"stages.0.lr": [0.05, 0.1]}, "scheduler": "asha"}
 CONFIG_ROWS = [
@@ -164,6 +182,12 @@ CONFIG_ROWS = [
     ("a swept ranking metric", {**ASHA, "variants": [{"name": "a", "set": {
         "task.monitor": "val_loss"}}]}, {"epochs": 4}, {},
      ["sweep.variants 'a' set key 'task.monitor'"]),
+    ("a swept key inside one that moves the rungs",
+     {**ASHA, "grid": {"stages.0.stop.target": [0.5, 0.9]}}, {"epochs": 4}, {},
+     ["sweep.grid key 'stages.0.stop.target' changes stages.0.stop"]),
+    ("a swept key above the ranking metric",
+     {**ASHA, "variants": [{"name": "a", "set": {"task": {"name": "classification"}}}]},
+     {"epochs": 4}, {}, ["sweep.variants 'a' set key 'task' changes task.name"]),
     ("a sweep with nothing to schedule", {"scheduler": "asha"}, {"epochs": 4}, {},
      ["sweep.scheduler asha has no trials to run"]),
     ("tpe without a space", {"search": "tpe", "grid": {"stages.0.lr": [0.1]}}, {}, {},
@@ -187,6 +211,23 @@ def test_a_bad_schedule_is_one_message_before_anything_runs(tmp_path, what, swee
         from_dict(cfg)
     for w in words:
         assert w in str(e.value), (what, str(e.value))
+
+
+@pytest.mark.parametrize("sweep, stage, expected", [
+    ({**ASHA, "asha": {"min_epochs": 2, "eta": 2}}, {"epochs": 5, "validate_every_epochs": 2},
+     [2, 4, 5]),  # the stage's end is always validated, whatever validate_every_epochs
+    ({**ASHA, "asha": {"max_epochs": 4}}, {"epochs": 4}, [1, 3, 4]),
+    ({**ASHA, "grid": {"stages.0.lr": [0.1], "stages.0.weight_decay": [0, 1e-4]},
+      "variants": [{"name": "w", "set": {"task.kwargs": {}}}]}, {"epochs": 3}, [1, 3]),
+    ({"search": "tpe", "random": {"samples": 2, "space": {"stages.0.lr": {
+        "uniform": [0.1, 0.2]}}}}, {"epochs": 3}, [3]),  # tpe alone: the stage's end only
+])
+def test_a_good_schedule_validates(tmp_path, sweep, stage, expected):
+    from ddpflow.config.sweepchecks import schedule_rungs
+
+    st = {"name": "a", "batch_size": 32, "lr": 0.1, **stage}
+    cfg = from_dict(tiny_config(tmp_path, sweep=sweep, stages=[st]))
+    assert cfg.sweep.scheduled and schedule_rungs(cfg.to_dict()) == expected
 
 
 def test_a_bad_schedule_through_the_cli_writes_nothing(tmp_path):
@@ -274,3 +315,88 @@ def test_a_halt_the_stage_cannot_make_is_one_message(tmp_path, stage, flag, word
     for w in words:
         assert w in proc.stderr, proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+# --------------------------------------------------------------------------- one job's result
+def _job(tmp_path, val_lines, rc, target, log="", failed=None):
+    """A trial's stage folder as a job left it, read by TrialJob.outcome."""
+    import json
+    import threading
+
+    from ddpflow.sweeps.trialrun import TrialJob
+
+    cfg = from_dict(tiny_config(tmp_path, stages=[{"name": "a", "epochs": 3, "batch_size": 32,
+                                                   "lr": 0.1}]))
+    folder = cfg.stage_dir("a")
+    folder.mkdir(parents=True)
+    lines = [{"kind": "train", "step": 1, "epoch": 0, "loss": 2.0}]
+    lines += [{"kind": "val", "step": 4 * (e + 1), "epoch": e, **m} for e, m in val_lines]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    if failed:
+        (folder / "failed.json").write_text(json.dumps({"reason": failed}))
+    (tmp_path / "train_a.log").write_text(log)
+    job = TrialJob(None, tmp_path, tmp_path, "val_acc", {}, threading.Lock())
+    return job.outcome(cfg, "key", target, rc, tmp_path / "train_a.log")
+
+
+NAN = float("nan")
+OUTCOME_ROWS = [
+    # what, val lines (epoch index, metrics), rc, target, log, failed.json: expected
+    ("paused at its rung", [(0, {"val_acc": 0.5})], 75, 1, "", None,
+     dict(epochs=1, values={1: 0.5}, pruned=None, stopped=False)),
+    ("the rung reached, exit 0", [(0, {"val_acc": 0.5})], 0, 1, "", None,
+     dict(epochs=1, pruned=None, stopped=False)),
+    ("stopped before its rung", [(0, {"val_acc": 0.5})], 75, 2, "", None,
+     dict(epochs=1, values={1: 0.5}, pruned=None, stopped=True)),
+    ("killed by a signal", [], 143, 1, "", None, dict(epochs=0, pruned=None, stopped=True)),
+    ("the last rung without a fresh summary", [(2, {"val_acc": 0.7})], 0, 3, "", None,
+     dict(pruned=None, stopped=True)),
+    ("a failing trial", [], 2, 1, "x\nddpflow: error: stage 'a': batch_size 100000 is "
+     "larger than the training split\n", None,
+     dict(pruned="stage a: ddpflow: error: stage 'a': batch_size 100000 is larger than the "
+          "training split", kind="failed", stopped=False)),
+    ("a NaN metric", [(0, {"val_acc": NAN})], 75, 1, "", None,
+     dict(pruned="val_acc is NaN at epoch 1", kind="nan", values={1: None})),
+    ("an infinite metric", [(0, {"val_acc": float("inf")})], 75, 1, "", None,
+     dict(pruned="val_acc is NaN at epoch 1", kind="nan")),
+    ("a diverged loss", [], 3, 1, "", "loss nan at step 3 (epoch 0)", dict(
+        pruned="diverged: loss nan at step 3 (epoch 0)", kind="diverged")),
+    ("the monitor missing from the metrics", [(0, {"val_loss": 0.3})], 75, 1, "", None,
+     dict(pruned="task.monitor val_acc is not among its validation metrics (val_loss); set "
+                 "task.monitor to one of them", kind="failed", epochs=None)),
+]
+
+
+@pytest.mark.parametrize("what, vals, rc, target, log, failed, expected", OUTCOME_ROWS,
+                         ids=[r[0] for r in OUTCOME_ROWS])
+def test_a_jobs_result_is_read_from_the_trials_own_files(tmp_path, what, vals, rc, target,
+                                                         log, failed, expected):
+    out = _job(tmp_path, vals, rc, target, log, failed)
+    for k, v in expected.items():
+        assert getattr(out, k) == v, (what, k, getattr(out, k))
+
+
+def test_a_result_into_the_trials_record():
+    from ddpflow.sweeps.scheduler import MAX_TRIES, record
+    from ddpflow.sweeps.trialrun import Outcome
+
+    t = TrialState("t", {}, None, 0, target=1)
+    assert record(t, Outcome(stopped=True), False) == "stopped" and t.tries == 1
+    assert record(t, Outcome(key="k", values={1: 0.4}, epochs=1), False) == "reached"
+    assert (t.key, t.values, t.epochs, t.tries) == ("k", {1: 0.4}, 1, 0)  # a new count
+    t.target = 2
+    # stopped before its target: tried again, and pruned after MAX_TRIES stops in a row
+    for i in range(1, MAX_TRIES):
+        assert record(t, Outcome(stopped=True), False) == "stopped" and t.tries == i
+    assert record(t, Outcome(stopped=True), False) == "pruned"
+    assert (t.pruned, t.kind) == (f"stopped {MAX_TRIES} times before epoch 2", "failed")
+    # a job the scheduler itself stopped (SIGTERM) is neither a failure nor a try
+    t = TrialState("t", {}, None, 0, target=2)
+    assert record(t, Outcome(pruned="stage a: killed", kind="failed"), True) == "stopped"
+    assert t.pruned is None and t.tries == 0
+    assert record(t, Outcome(pruned="stage a: boom", kind="failed"), False) == "pruned"
+    assert t.pruned == "stage a: boom"
+    # a NaN is a result, whoever stopped the scheduler
+    t = TrialState("t", {}, None, 0, target=1)
+    out = Outcome(key="k", values={1: None}, epochs=1, pruned="val_acc is NaN", kind="nan")
+    assert record(t, out, True) == "pruned" and t.kind == "nan" and t.values == {1: None}

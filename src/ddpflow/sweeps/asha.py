@@ -89,7 +89,7 @@ def next_job(trials: list[TrialState], rungs: list[int], eta: int, mode: str,
     if job:
         return job
     for t in sorted(trials, key=lambda t: t.number):
-        if t.id not in busy and t.pruned is None and t.target == 0:
+        if t.pruned is None and t.target == 0:  # (a started trial has a target)
             return Job(t.id, rungs[0], "start")
     if can_draw:
         return Job("", rungs[0], "start", new=True)

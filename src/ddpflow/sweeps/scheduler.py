@@ -178,22 +178,11 @@ class Scheduler:
 
     def _ended(self, t: TrialState, future) -> None:
         """A job's result into the trial's record (a job that raised: its mistake, once)."""
-        out = future.result()
-        if out.key is not None:
-            t.key = out.key
-        if out.epochs is not None:
-            t.values, t.epochs = out.values, out.epochs
-        if out.pruned and not (self.stopping and out.kind == "failed"):
-            t.pruned, t.kind = out.pruned, out.kind
-            self.say(f"{t.id}: pruned: {out.pruned}")
-        elif out.stopped or out.pruned:
-            t.tries += 0 if self.stopping else 1
-            if t.tries >= MAX_TRIES:
-                t.pruned, t.kind = f"stopped {t.tries} times before epoch {t.target}", "failed"
-        else:
-            t.tries = 0
-            v = t.values.get(t.target)
-            self.say(f"{t.id}: epoch {t.target}: {self.monitor} {v:.4f} "
+        news = record(t, future.result(), self.stopping)
+        if news == "pruned":
+            self.say(f"{t.id}: pruned: {t.pruned}")
+        elif news == "reached":
+            self.say(f"{t.id}: epoch {t.target}: {self.monitor} {t.values[t.target]:.4f} "
                      f"({asha.status(t, self.rungs)})")
 
     def finish(self) -> int:
@@ -217,6 +206,28 @@ class Scheduler:
         write_json_atomic(schedstate.folder(self.cfg) / "done.json",
                           {"run": self.cfg.run, "trials": len(self.trials), **counts})
         return 0
+
+
+def record(t: TrialState, out, stopping: bool) -> str:
+    """An Outcome (trialrun.py) into the trial's record: its values and epochs as its
+    metrics.jsonl has them now, and then "pruned", "stopped" (a signal or time limit before
+    its target: resumed next, pruned after MAX_TRIES in a row unless the scheduler itself was
+    stopping it) or "reached" (its target rung, paused or finished)."""
+    if out.key is not None:
+        t.key = out.key
+    if out.epochs is not None:
+        t.values, t.epochs = out.values, out.epochs
+    if out.pruned and not (stopping and out.kind == "failed"):  # (stopped: not a failure)
+        t.pruned, t.kind = out.pruned, out.kind
+        return "pruned"
+    if out.stopped or out.pruned:
+        t.tries += 0 if stopping else 1
+        if t.tries >= MAX_TRIES:
+            t.pruned, t.kind = f"stopped {t.tries} times before epoch {t.target}", "failed"
+            return "pruned"
+        return "stopped"
+    t.tries = 0
+    return "reached"
 
 
 def _monitor(cfg: Config) -> tuple[str, str]:
