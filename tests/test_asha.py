@@ -349,6 +349,8 @@ OUTCOME_ROWS = [
     ("stopped before its rung", [(0, {"val_acc": 0.5})], 75, 2, "", None,
      dict(epochs=1, values={1: 0.5}, pruned=None, stopped=True)),
     ("killed by a signal", [], 143, 1, "", None, dict(epochs=0, pruned=None, stopped=True)),
+    ("ended by a signal it did not catch", [], -15, 1, "", None,
+     dict(pruned=None, stopped=True)),
     ("the last rung without a fresh summary", [(2, {"val_acc": 0.7})], 0, 3, "", None,
      dict(pruned=None, stopped=True)),
     ("a failing trial", [], 2, 1, "x\nddpflow: error: stage 'a': batch_size 100000 is "

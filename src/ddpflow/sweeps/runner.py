@@ -55,6 +55,9 @@ class LocalRunner:
             with self.lock:
                 self.running.pop(proc.pid, None)
 
+    def preflight(self, cfg: Config, log: Path) -> None:
+        """Nothing to ask of this node beforehand: the slots were checked when planning."""
+
     def stop(self) -> None:
         with self.lock:
             self.stopping = True
@@ -64,7 +67,9 @@ class LocalRunner:
 
 
 class SlurmRunner:
-    """`sbatch --wait` per command; the job's exit code is the command's."""
+    """`sbatch --wait` per command; the job's exit code is the command's. Each distinct
+    request is put to `sbatch --test-only` first: one Slurm can never run stops the sweep
+    with sbatch's reason, instead of a job pending forever (as common.smk's pre-flight)."""
 
     where = "Slurm"
 
@@ -72,22 +77,19 @@ class SlurmRunner:
         self.jobs: dict[str, subprocess.Popen] = {}
         self.lock = threading.Lock()
         self.stopping = False
+        self.tested: set[tuple] = set()
 
     def run(self, cfg: Config, words: list[str], log: Path, gpus: bool = True) -> int:
         log.parent.mkdir(parents=True, exist_ok=True)
-        cmd = ["sbatch", "--parsable", "--wait", *sbatch_options(cfg, log, gpus),
+        opts = sbatch_options(cfg, log, gpus)
+        self._test(opts)
+        cmd = ["sbatch", "--parsable", "--wait", *opts,
                "--wrap", "exec " + shell_line(ddpflow_words(log, words))]
         with self.lock:
             if self.stopping:
                 return 128 + signal.SIGTERM
-            try:
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        stdin=subprocess.DEVNULL, text=True)
-            except FileNotFoundError:
-                raise UserError("the sweep's scheduler runs its trials with sbatch under "
-                                "Slurm, but sbatch is not on PATH here; run the workflow "
-                                "where Slurm's commands are, or without the Slurm "
-                                "profile") from None
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, text=True)
         job = proc.stdout.readline().strip().split(";")[0]  # printed at submission
         with self.lock:
             self.jobs[job] = proc
@@ -96,17 +98,46 @@ class SlurmRunner:
         finally:
             with self.lock:
                 self.jobs.pop(job, None)
-        if proc.returncode and not job:
+        if proc.returncode and not job and not self.stopping:
             raise UserError(f"sbatch refused a job of the sweep: {err.strip()[:300]}; check "
                             f"the slurm: section of the config (docs/slurm.md)")
         return proc.returncode
 
+    def preflight(self, cfg: Config, log: Path) -> None:
+        """Both kinds of job a trial submits (preparing data, training), tested before any."""
+        for gpus in (False, True):
+            self._test(sbatch_options(cfg, log, gpus))
+
+    def _test(self, opts: list[str]) -> None:
+        asked = tuple(o for o in opts if not o.startswith(("--job-name=", "--output=")))
+        if asked in self.tested:
+            return
+        try:
+            r = subprocess.run(["sbatch", "--test-only", *opts, "--wrap", "true"],
+                               capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise UserError("the sweep's scheduler runs its trials with sbatch under Slurm, "
+                            "but sbatch is not on PATH here; run the workflow where Slurm's "
+                            "commands are, or without the Slurm profile") from None
+        if r.returncode:
+            why = "; ".join(ln.strip() for ln in r.stderr.splitlines() if ln.strip())
+            raise UserError(f"Slurm refuses a job of the sweep: {why or r.returncode}; it was "
+                            f"not submitted. It asks for: {' '.join(asked)}. Check the "
+                            f"partition, the account and the sizes in the config's slurm: "
+                            f"section (docs/slurm.md)")
+        self.tested.add(asked)
+
     def stop(self) -> None:
+        """scancel every job (Slurm signals it: it stops at a checkpoint), then end the
+        waiting sbatch processes (they poll a cancelled job slowly)."""
         with self.lock:
             self.stopping = True
-            jobs = [j for j in self.jobs if j]
-        if jobs:
-            subprocess.run(["scancel", *jobs], capture_output=True)
+            jobs = dict(self.jobs)
+        if [j for j in jobs if j]:
+            subprocess.run(["scancel", *[j for j in jobs if j]], capture_output=True)
+        for proc in jobs.values():
+            if proc.poll() is None:
+                proc.terminate()
 
 
 def sbatch_options(cfg: Config, log: Path, gpus: bool = True) -> list[str]:
@@ -124,8 +155,8 @@ def sbatch_options(cfg: Config, log: Path, gpus: bool = True) -> list[str]:
             opts.append(f"--gpus={s.gpu_model + ':' if s.gpu_model else ''}{s.gpus}")
         if s.cpus_per_gpu:
             opts.append(f"--cpus-per-gpu={s.cpus_per_gpu}")
-    else:
-        opts.append(f"--cpus-per-task={s.cpus}")
+    else:  # preparing data gets what the workflow's prepare rule gets: one CPU
+        opts.append(f"--cpus-per-task={s.cpus if gpus else 1}")
     if s.mem_mb:
         opts.append(f"--mem={s.mem_mb}")
     if cfg.hardware.nodes > 1 and gpus:

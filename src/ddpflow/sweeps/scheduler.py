@@ -132,6 +132,12 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         (schedstate.folder(self.cfg) / "done.json").unlink(missing_ok=True)
+        if self.trials:  # a request Slurm refuses stops the sweep before any job
+            from ddpflow.sweeps.trialrun import trial_config
+
+            t = self.trials[0]
+            self.runner.preflight(trial_config(self.paths[t.id], t.id),
+                                  self.job.logs / "preflight")
         self.save()
         running: dict = {}
         pool = ThreadPoolExecutor(self.workers)

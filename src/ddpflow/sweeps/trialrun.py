@@ -131,7 +131,7 @@ class TrialJob:
             out.kind = "diverged"
         elif target in values and (target < last.epochs or _finished(cfg, last.name)):
             pass  # paused at its rung, or finished
-        elif rc in (0, EXIT_STOPPED) or rc > 128:
+        elif rc in (0, EXIT_STOPPED) or rc > 128 or rc < 0:  # a signal
             out.stopped = True
         else:
             out.pruned, out.kind = f"stage {last.name}: {reason_from_log(log)}", "failed"
