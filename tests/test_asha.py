@@ -402,3 +402,34 @@ def test_a_result_into_the_trials_record():
     t = TrialState("t", {}, None, 0, target=1)
     out = Outcome(key="k", values={1: None}, epochs=1, pruned="val_acc is NaN", kind="nan")
     assert record(t, out, True) == "pruned" and t.kind == "nan" and t.values == {1: None}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{\"version\": 1, \"trials\": [", ["is not valid JSON"]),
+    ("[1, 2]", ["is not of type 'object'"]),
+    ('{"version": 1, "trials": [{"id": "../x", "overrides": {}, "number": 0, "values": {},'
+     ' "epochs": 0, "target": 0}]}', ["trials.0.id"]),
+    ('{"version": 1, "trials": [{"id": "a", "overrides": {}, "number": 0, "values": '
+     '{"one": 0.5}, "epochs": 0, "target": 0}]}', ["trials.0.values"]),
+])
+def test_a_damaged_scheduler_state_is_one_message(tmp_path, text, words):
+    """sweep/schedule/state.json as something else left it: the scheduler and the
+    leaderboard say what is wrong with it and what to do, and train nothing."""
+    cfg = tiny_config(tmp_path, sweep={**ASHA, "asha": {"min_epochs": 1}},
+                      stages=[{"name": "a", "epochs": 2, "batch_size": 32, "lr": 0.1}],
+                      hardware={"device": "cpu"})
+    path = write_config(tmp_path, cfg)
+    state = tmp_path / "results/t/sweep/schedule/state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(text)
+    for command in (["sweep", "schedule"], ["sweep", "collect"]):
+        if command[1] == "collect":
+            assert ddpflow("sweep", "plan", "--config", path).returncode == 0
+        proc = ddpflow(*command, "--config", path, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "the sweep's scheduler state" in proc.stderr, proc.stderr
+        assert "move it aside" in proc.stderr
+        for w in words:
+            assert w in proc.stderr, proc.stderr
+    assert state.read_text() == text  # not replaced
+    assert not list((tmp_path / "results/t/trials").glob("*/stages"))  # nothing trained
