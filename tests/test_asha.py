@@ -392,6 +392,12 @@ def test_a_result_into_the_trials_record():
         assert record(t, Outcome(stopped=True), False) == "stopped" and t.tries == i
     assert record(t, Outcome(stopped=True), False) == "pruned"
     assert (t.pruned, t.kind) == (f"stopped {MAX_TRIES} times before epoch 2", "failed")
+    # a stop after a new epoch (a time limit inside a long rung) starts a new count
+    t = TrialState("t", {}, None, 0, target=3, tries=MAX_TRIES - 1)
+    assert record(t, Outcome(values={1: 0.4}, epochs=1, stopped=True), False) == "stopped"
+    assert t.tries == 0 and t.pruned is None
+    assert record(t, Outcome(values={1: 0.4}, epochs=1, stopped=True), False) == "stopped"
+    assert t.tries == 1
     # a job the scheduler itself stopped (SIGTERM) is neither a failure nor a try
     t = TrialState("t", {}, None, 0, target=2)
     assert record(t, Outcome(pruned="stage a: killed", kind="failed"), True) == "stopped"

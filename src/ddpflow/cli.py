@@ -283,7 +283,8 @@ def _command(cfg, args) -> int:
         if cfg.sweep.enabled:  # every trial's config too, as `sweep plan` would (nothing written)
             from ddpflow.sweeps.plan import plan
 
-            print(f"# sweep of {len(plan(cfg))} trial(s), each valid", file=sys.stderr)
+            n = len(plan(cfg)) or (cfg.sweep.random or {}).get("samples", 0)  # tpe: draws
+            print(f"# sweep of {n} trial(s), each valid", file=sys.stderr)
         from ddpflow.launch.slurmsizes import resolved  # Slurm sizes left open: from sinfo
         cfg = resolved(cfg)
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")

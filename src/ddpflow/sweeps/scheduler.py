@@ -217,8 +217,9 @@ class Scheduler:
 def record(t: TrialState, out, stopping: bool) -> str:
     """An Outcome (trialrun.py) into the trial's record: its values and epochs as its
     metrics.jsonl has them now, and then "pruned", "stopped" (a signal or time limit before
-    its target: resumed next, pruned after MAX_TRIES in a row unless the scheduler itself was
-    stopping it) or "reached" (its target rung, paused or finished)."""
+    its target: resumed next, pruned after MAX_TRIES in a row without a new epoch unless the
+    scheduler itself was stopping it) or "reached" (its target rung, paused or finished)."""
+    before = t.epochs
     if out.key is not None:
         t.key = out.key
     if out.epochs is not None:
@@ -227,7 +228,8 @@ def record(t: TrialState, out, stopping: bool) -> str:
         t.pruned, t.kind = out.pruned, out.kind
         return "pruned"
     if out.stopped or out.pruned:
-        t.tries += 0 if stopping else 1
+        # a time limit that ends every job of a long rung still moves it on: not a try
+        t.tries = 0 if t.epochs > before else t.tries + (0 if stopping else 1)
         if t.tries >= MAX_TRIES:
             t.pruned, t.kind = f"stopped {t.tries} times before epoch {t.target}", "failed"
             return "pruned"
