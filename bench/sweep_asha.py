@@ -4,16 +4,17 @@
     python bench/sweep_asha.py [--epochs 9] [--seeds 4]
 
 The data is sklearn's 1797 handwritten digits (8 x 8 px, 10 classes) through the real data
-seam (`data.source: python`, `data.factory: digits_data:make`, bench/digits_data.py), the
+seam (`data.source: python`, `data.factory: digits_data:make`, bench/digits/), the
 model the built-in mlp. 16 trials: learning rate (4) x weight decay (2) x width (2), seed 0,
 deterministic. Both sides are one real `snakemake --cores N` run of the same sweep, side by
 side in one temporary folder:
-  grid: every trial to its last epoch (`sweep.scheduler: none`)
-  asha: `sweep.scheduler: asha`, eta 3, rungs at 1, 3 and 9 epochs
+  grid:  every trial to its last epoch (`sweep.scheduler: none`)
+  asha3: `sweep.scheduler: asha`, eta 3 (the default): rungs at 1, 3 and 9 epochs
+  asha4: eta 4: rungs at 1, 4 and 9 epochs
 The grid's seed-to-seed noise: its best trial's settings trained again with `--seeds` other
 seeds (one more real sweep over `seed`). Prints the best trial of each side with its best
 validation accuracy, the noise (standard deviation and range over the seeds), and the
-trial-epochs each side trained with their ratio.
+trial-epochs each side trained with their ratio to the grid's.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ GRID = {"stages.0.lr": [0.003, 0.01, 0.05, 0.3], "stages.0.weight_decay": [0.0, 
 def config(run: str, epochs: int, sweep: dict) -> dict:
     return {
         "run": run, "seed": 0, "deterministic": True, "log_every_steps": 20,
-        "data": {"source": "python", "factory": "digits_data:make", "code_dir": str(REPO / "bench"),
-                 "materialize": True, "image_size": 8, "num_workers": 0,
+        "data": {"source": "python", "factory": "digits_data:make",
+                 "code_dir": str(REPO / "bench" / "digits"), "materialize": True,
+                 "image_size": 8, "num_workers": 0,
                  "augment": {"crop_padding": 0, "flip": False}},
         "model": {"name": "mlp", "kwargs": {"hidden": 64}},
         "hardware": {"device": "cpu", "nproc_per_node": 1, "threads_per_rank": 1},
@@ -85,9 +87,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
         grid, t_grid = run(folder, config("grid", args.epochs, {"grid": GRID}), cores)
-        asha, t_asha = run(folder, config("asha", args.epochs, {
-            "grid": GRID, "scheduler": "asha", "asha": {"eta": 3, "min_epochs": 1}}), cores)
-        g, a = best(grid), best(asha)
+        ashas = {eta: run(folder, config(f"asha{eta}", args.epochs, {
+            "grid": GRID, "scheduler": "asha", "asha": {"eta": eta, "min_epochs": 1}}), cores)
+            for eta in (3, 4)}
+        g = best(grid)
         noise_cfg = config("noise", args.epochs, {"grid": {
             "seed": list(range(1, args.seeds + 1))}})
         for key in GRID:
@@ -101,20 +104,22 @@ def main() -> None:
     sd, spread = statistics.stdev(values), max(values) - min(values)
     n = len(grid["trials"])
     grid_epochs = n * args.epochs
-    spent = asha["schedule"]["spent_epochs"]
-    diff = g["best_value"] - a["best_value"]
     print(f"digits (sklearn, 1257 train / 270 val), mlp, {n} trials (lr x weight decay x "
           f"width), {args.epochs} epochs, seed 0, {cores} cores, 1 trial per core")
     print(f"  grid: best {g['trial']} ({settings(g)}): val_acc {g['best_value']:.4f}; "
           f"{grid_epochs} trial-epochs, {t_grid:.0f} s")
-    print(f"  asha: best {a['trial']} ({settings(a)}): val_acc {a['best_value']:.4f}; "
-          f"{spent} trial-epochs, {t_asha:.0f} s; rungs {asha['schedule']['rungs']}")
     print(f"  seed-to-seed noise of the grid's best settings ({len(values)} seeds): "
           f"val_acc {min(values):.4f}..{max(values):.4f}, sd {sd:.4f}, range {spread:.4f}")
-    print(f"  grid best - asha best: {diff:.4f} ({'within' if abs(diff) <= spread else 'outside'}"
-          f" the seeds' range)")
-    print(f"  trial-epochs asha/grid: {spent}/{grid_epochs} = {spent / grid_epochs:.3f}; "
-          f"wall time asha/grid: {t_asha / t_grid:.2f}")
+    for eta, (board, wall) in ashas.items():
+        a = best(board)
+        spent, diff = board["schedule"]["spent_epochs"], g["best_value"] - a["best_value"]
+        print(f"  asha eta {eta}: best {a['trial']} ({settings(a)}): val_acc "
+              f"{a['best_value']:.4f}; rungs {board['schedule']['rungs']}")
+        where = "within" if abs(diff) <= spread else "outside"
+        print(f"    grid best - asha best: {diff:.4f} ({where} the seeds' range); "
+              f"trial-epochs asha/grid: {spent}/{grid_epochs} = "
+              f"{spent / grid_epochs:.3f}; wall time asha/grid: {wall:.0f}/{t_grid:.0f} s = "
+              f"{wall / t_grid:.2f}")
 
 
 if __name__ == "__main__":

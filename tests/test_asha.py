@@ -98,6 +98,15 @@ def test_the_end_game_finishes_the_best_trial_of_the_highest_rung():
     assert asha.status(trials[0], RUNGS) == "finished" and asha.rung_of(trials[0], RUNGS) == 9
 
 
+def test_a_grid_starts_in_an_order_drawn_from_its_ids():
+    ids = [f"lr-{x}-abc" for x in ("0.001", "0.01", "0.1", "1")]
+    order = asha.start_order(ids)
+    assert sorted(order) == sorted(ids) and order != ids  # not the grid's rising order
+    assert order == ["lr-0.01-abc", "lr-0.1-abc", "lr-0.001-abc", "lr-1-abc"]
+    # a trial added to the grid leaves the others' order alone
+    assert [i for i in asha.start_order([*ids, "lr-10-abc"]) if i != "lr-10-abc"] == order
+
+
 def test_plan_trials_start_in_order_before_new_draws():
     trials = [_t(0, {1: 0.5}), TrialState("t1", {}, None, 1), TrialState("t2", {}, None, 2)]
     job = _next(trials, can_draw=True)

@@ -82,6 +82,9 @@ class Scheduler:
             planned = [(planning.Trial(t.id, t.overrides, None), None)
                        for t in sorted(recorded.values(), key=lambda t: t.number)
                        if set(t.overrides) == space]
+        else:  # a grid's trials start in random order (asha.start_order), drawn ones as drawn
+            rank = {i: n for n, i in enumerate(asha.start_order([t.id for t, _ in planned]))}
+            planned = sorted(planned, key=lambda p: rank[p[0].id])
         trials = []
         for i, (trial, t) in enumerate(planned):
             t = t or planning.resolve(self.cfg, self.d, trial)

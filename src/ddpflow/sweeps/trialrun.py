@@ -19,7 +19,6 @@ from pathlib import Path
 from ddpflow.config import Config, from_dict
 from ddpflow.config.types import config_hash
 from ddpflow.core import reading
-from ddpflow.data import prepared
 from ddpflow.launch.launcher import EXIT_DIVERGED, EXIT_STOPPED
 from ddpflow.results.metrics import read_records
 from ddpflow.results.provenance import expected_record, stage_result
@@ -57,6 +56,7 @@ class TrialJob:
                  locks_lock):
         self.runner, self.sweep_dir, self.logs, self.monitor = runner, sweep_dir, logs, monitor
         self.locks, self.locks_lock = locks, locks_lock
+        self.prepared: set[str] = set()  # folders `ddpflow prepare` ran for in this run
 
     def run(self, tid: str, path: Path, target: int) -> Outcome:
         cfg = trial_config(path, tid)
@@ -74,14 +74,17 @@ class TrialJob:
         return self.outcome(cfg, key, target, rc, log)
 
     def _prepare(self, cfg: Config, path: Path, logs: Path) -> Outcome | None:
-        """The trial's data (one preparation per folder at a time), image record, tuning."""
+        """The trial's data, image record and tuning. `ddpflow prepare` once per prepared
+        folder and scheduler run, one at a time (it does nothing when the folder is up to
+        date with the data settings and the factory's code)."""
         with self.locks_lock:
             lock = self.locks.setdefault(str(cfg.data_dir), threading.Lock())
         with lock:
-            if prepared.read_meta(cfg.data_dir, damaged_ok=True) is None:
+            if str(cfg.data_dir) not in self.prepared:
                 log = logs / "prepare.log"
                 if self.runner.run(cfg, ["prepare", "--config", path], log, gpus=False):
                     return failure(f"preparing its data: {reason_from_log(log)}")
+                self.prepared.add(str(cfg.data_dir))
         image = self.sweep_dir / "image.json"  # the sweep's own, copied as the workflow does
         if image.is_file() and not (cfg.run_dir / "image.json").is_file():
             from ddpflow.core.writing import write_bytes_atomic

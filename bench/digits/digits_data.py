@@ -1,7 +1,7 @@
 """sklearn's handwritten digits (1797 images of 8 x 8 pixels, 10 classes, shipped inside
 scikit-learn: no download) as a user's dataset factory, for bench/sweep_asha.py.
 
-    data: {source: python, factory: digits_data:make, code_dir: bench}
+    data: {source: python, factory: digits_data:make, code_dir: bench/digits}
 
 One fixed split of the 1797 images (seed 0, whatever the run's seed): 1257 train, 270 val,
 270 test. Items are (1 x 8 x 8 float image in [0, 1], class index).
