@@ -448,3 +448,53 @@ def test_a_damaged_scheduler_state_is_one_message(tmp_path, text, words):
             assert w in proc.stderr, proc.stderr
     assert state.read_text() == text  # not replaced
     assert not list((tmp_path / "results/t/trials").glob("*/stages"))  # nothing trained
+
+
+# --------------------------------------------------------------------------- runner
+def test_sbatch_asks_for_the_trials_sizes_and_quotes_every_word(tmp_path):
+    import shlex
+
+    from ddpflow.sweeps.runner import ddpflow_words, sbatch_command, sbatch_options
+
+    cfg = from_dict(tiny_config(tmp_path, slurm={
+        "gpus": 2, "cpus_per_gpu": 3, "mem_mb": 4000, "runtime_min": 30, "partition": "p1",
+        "account": "acc", "gpu_model": "a100", "extra": "--exclusive --mail-type=END"}))
+    log = tmp_path / "it's a $(log) dir" / "train a.log"
+    opts = sbatch_options(cfg, log, gpus=True)
+    assert opts == [f"--job-name=ddpflow-{cfg.run}", f"--output={log}.slurm", "--time=30",
+                    f"--signal=B:USR1@{cfg.slurm.signal_before_end_s}", "--gpus=a100:2",
+                    "--cpus-per-gpu=3", "--mem=4000", "--partition=p1", "--account=acc",
+                    "--exclusive", "--mail-type=END"]
+    cpu = sbatch_options(cfg, log, gpus=False)  # preparing data: one CPU, no GPU
+    assert "--cpus-per-task=1" in cpu and not any(o.startswith("--gpus") for o in cpu)
+    cfg = from_dict(tiny_config(tmp_path, slurm={"gres": "gpu:t4:1", "cpus": 8},
+                                hardware={"nodes": 2}))
+    opts = sbatch_options(cfg, log)
+    assert "--gres=gpu:t4:1" in opts and "--nodes=2" in opts and "--ntasks=2" in opts
+    assert not any(o.startswith("--gpus") for o in opts)
+    cfg = from_dict(tiny_config(tmp_path, slurm={"gpus": 0, "cpus": 6}))
+    assert "--cpus-per-task=6" in sbatch_options(cfg, log)  # a CPU-only training job
+    # the batch shell runs exactly ddpflow's words, whatever the paths hold
+    words = ["launch", "--config", tmp_path / "a b;c" / "trial_config.json", "--stage", "x"]
+    cmd = sbatch_command(opts, log, words)
+    assert cmd[:3] == ["sbatch", "--parsable", "--wait"] and cmd[-2] == "--wrap"
+    assert shlex.split(cmd[-1]) == ["exec", *ddpflow_words(log, words)]
+
+
+def test_how_many_trials_run_at_once(tmp_path, monkeypatch):
+    from ddpflow.sweeps.runner import SLURM_PARALLEL, parallel
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU-only node: a slot per core
+    sweep = {"grid": {"stages.0.lr": [0.1, 0.2]}, "scheduler": "asha", "threads_per_trial": 1}
+    cfg = from_dict(tiny_config(tmp_path, sweep=sweep, stages=[
+        {"name": "a", "epochs": 2, "batch_size": 32, "lr": 0.1}], hardware={"device": "cpu"}))
+    import os
+
+    assert parallel(cfg, "node") == len(os.sched_getaffinity(0))  # this node's slots
+    assert parallel(cfg, "slurm") == SLURM_PARALLEL
+    monkeypatch.setenv("SLURM_JOB_ID", "1")  # inside one job: its allocation is one slot
+    assert parallel(cfg, "node") == 1
+    cfg = from_dict(tiny_config(tmp_path, sweep={**sweep, "parallel": 3}, stages=[
+        {"name": "a", "epochs": 2, "batch_size": 32, "lr": 0.1}], hardware={"device": "cpu"}))
+    assert parallel(cfg, "node") == parallel(cfg, "slurm") == 3

@@ -83,8 +83,7 @@ class SlurmRunner:
         log.parent.mkdir(parents=True, exist_ok=True)
         opts = sbatch_options(cfg, log, gpus)
         self._test(opts)
-        cmd = ["sbatch", "--parsable", "--wait", *opts,
-               "--wrap", "exec " + shell_line(ddpflow_words(log, words))]
+        cmd = sbatch_command(opts, log, words)
         with self.lock:
             if self.stopping:
                 return 128 + signal.SIGTERM
@@ -138,6 +137,13 @@ class SlurmRunner:
         for proc in jobs.values():
             if proc.poll() is None:
                 proc.terminate()
+
+
+def sbatch_command(opts: list[str], log: Path, words: list[str]) -> list[str]:
+    """`sbatch --wait` of one command: the batch shell execs ddpflow (so Slurm's signal
+    reaches the launcher), every word quoted for that shell (core/quoting.py)."""
+    return ["sbatch", "--parsable", "--wait", *opts,
+            "--wrap", "exec " + shell_line(ddpflow_words(log, words))]
 
 
 def sbatch_options(cfg: Config, log: Path, gpus: bool = True) -> list[str]:
