@@ -184,6 +184,20 @@ CHECKS: dict[str, Check] = {
         test="test_slurm.py::test_sweep_on_slurm_one_job_and_one_gpu_per_trial"),
     "ddpflow sweep list --config config/sweep.yaml": run(
         r"^small_lr-0\.05_seed-0-[0-9a-f]{6}\tmodel\.kwargs\.width=16, ", where="dry"),
+    "snakemake --cores all --configfile config/sweep_asha.yaml": dry(
+        "snakemake --cores all --configfile config/sweep_asha.yaml -n",
+        r"^sweep_schedule\s+1$", why="trains 9 trials (one scheduler job runs them)",
+        test="test_sweep_asha.py::test_failing_nan_and_metricless_trials_are_pruned_and_named"),
+    "snakemake --profile profiles/slurm --configfile config/sweep_asha.yaml": dry(
+        "snakemake --profile profiles/slurm --configfile config/sweep_asha.yaml -n",
+        r"^sweep_schedule\s+1$", why="submits to a Slurm cluster",
+        test="test_slurm.py::test_asha_sweep_on_slurm_one_job_per_rung"),
+    "ddpflow sweep schedule --config config/sweep_asha.yaml": elsewhere(
+        "test_sweep_asha.py::test_asha_pauses_resumes_exactly_and_survives_sigterm_in_a_promotion",
+        why="trains 9 trials"),
+    "ddpflow sweep list --config config/sweep_asha.yaml": run(
+        r"^lr-0\.02_weight_decay-0\.0-[0-9a-f]{6}\tstages\.0\.lr=0\.02, "
+        r"stages\.0\.weight_decay=0\.0$", where="dry"),
     # ---- docs/gpu-node.md
     "git clone <this repository> ddpflow && cd ddpflow": run(
         r"^cifar10_resnet18_8gpu\.yaml$",
@@ -807,6 +821,8 @@ def _planned_trains(cfg: dict) -> tuple[str, int]:
     sweep = cfg.get("sweep") or {}
     if not (sweep.get("grid") or sweep.get("variants") or sweep.get("random")):
         return "train", len(cfg["stages"])
+    if sweep.get("scheduler", "none") != "none" or sweep.get("search", "none") != "none":
+        return "sweep_schedule", 1  # one job runs every trial (sweeps/scheduler.py)
     drawn = sweep["random"]["samples"] if sweep.get("random") else \
         len(list(itertools.product(*sweep.get("grid", {}).values())))
     trials = drawn * max(1, len(sweep.get("variants", [])))
@@ -847,6 +863,8 @@ def test_sweeps_doc_shows_config_sweep_yaml(projects):
     shows is one that `ddpflow sweep list` prints for that file."""
     shipped = yaml.safe_load((REPO / "config/sweep.yaml").read_text())["sweep"]
     assert yaml_blocks("docs/SWEEPS.md")[0] == {"sweep": shipped}
+    asha = yaml.safe_load((REPO / "config/sweep_asha.yaml").read_text())["sweep"]
+    assert {"sweep": asha} in yaml_blocks("docs/SWEEPS.md")  # the successive-halving section
     listed = projects["dry"].sh("ddpflow sweep list --config config/sweep.yaml")
     assert listed.returncode == 0, shown(listed)
     ids = {line.split("\t")[0] for line in listed.stdout.splitlines() if "\t" in line}

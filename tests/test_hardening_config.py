@@ -278,6 +278,13 @@ WILD_SWEEPS = st.fixed_dictionaries({}, optional={
 # near the valid forms, so that many examples reach expansion and every trial's check
 NAMED_KEYS = st.sampled_from(VALID_SWEEP_KEYS)
 NEAR_SWEEPS = st.fixed_dictionaries({"max_trials": st.integers(1, 30)}, optional={
+    # the scheduler's keys (config/sweepchecks.py) against BASE's 2-epoch stage
+    "scheduler": st.sampled_from(["none", "asha", "hyperband"]),
+    "search": st.sampled_from(["none", "tpe", "bayes"]),
+    "asha": st.fixed_dictionaries({}, optional={
+        "eta": st.integers(0, 4) | PLAUSIBLE, "min_epochs": st.integers(0, 3),
+        "max_epochs": st.none() | st.integers(0, 3)}),
+    "parallel": st.sampled_from(["auto", 0, 1, 2, "x"]),
     "grid": st.dictionaries(NAMED_KEYS, st.lists(PLAUSIBLE, min_size=1, max_size=3),
                             min_size=1, max_size=3),
     "variants": st.lists(st.fixed_dictionaries(

@@ -214,6 +214,56 @@ def test_sweep_on_slurm_one_job_and_one_gpu_per_trial(tmp_path):
     assert sorted(seen) == ["0", "1"], seen
 
 
+def test_asha_sweep_on_slurm_one_job_per_rung(tmp_path):
+    """sweep.scheduler asha under the Slurm profile: the scheduler is a local job that hands
+    each rung of each trial to sbatch with the trial's GPUs; a paused trial's job exits 75
+    (stopped at a checkpoint), the promoted one resumes in a job of its own."""
+    cfg = {**TINY, "hardware": {"nproc_per_node": 1, "threads_per_rank": 1},
+           "stages": [{"name": "a", "epochs": 2, "batch_size": 32, "lr": 0.1}],
+           "slurm": {"gpus": 2, "cpus_per_gpu": 1, "mem_mb": 1000, "runtime_min": 10},
+           "sweep": {"grid": {"stages.0.lr": [0.05, 0.1]}, "gpus_per_trial": 1,
+                     "scheduler": "asha", "asha": {"eta": 2, "min_epochs": 1}}}
+    write(tmp_path, cfg)
+    proc = slurm_snakemake(tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    res = tmp_path / "results/wf"
+    assert "on Slurm" in (res / "logs/sweep/schedule.log").read_text()
+    rows = json.loads((res / "sweep/leaderboard.json").read_text())["trials"]
+    assert sorted(r["status"] for r in rows) == ["finished", "paused"], rows
+    segments = {}
+    for r in rows:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "--name", f"ddpflow-{r['trial']}",
+                              "-S", "now-1hour", "-o", "JobID,State,ExitCode,AllocTRES"],
+                             capture_output=True, text=True).stdout
+        jobs = [line.split("|") for line in out.strip().splitlines()]
+        segments[r["status"]] = [j for j in jobs if "gres/gpu=1" in j[3]]  # training jobs
+    # the paused trial: one job, stopped at its rung's checkpoint (exit 75); the finished
+    # one: that, then its promotion, resumed in a job of its own
+    assert [j[2] for j in segments["paused"]] == ["75:0"], segments
+    assert [j[2] for j in segments["finished"]] == ["75:0", "0:0"], segments
+    finished = next(r for r in rows if r["status"] == "finished")
+    s = json.loads((res / f"trials/{finished['trial']}/stages/a/summary.json").read_text())
+    assert s["environment"]["slurm_job_id"] == segments["finished"][1][0]
+    assert len(s["environment"]["cuda_visible_devices"].split(",")) == 1
+
+
+def test_a_scheduled_sweep_slurm_refuses_is_one_message_and_nothing_submitted(tmp_path):
+    cfg = {**TINY, "results_dir": str(tmp_path / "results"),
+           "hardware": {"nproc_per_node": 1, "threads_per_rank": 1},
+           "stages": [{"name": "a", "epochs": 2, "batch_size": 32, "lr": 0.1}],
+           "slurm": {"gpus": 0, "cpus": 64, "mem_mb": 1000, "runtime_min": 10},
+           "sweep": {"grid": {"stages.0.lr": [0.05, 0.1]}, "scheduler": "asha",
+                     "asha": {"eta": 2, "min_epochs": 1}}}
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))
+    proc = ddpflow("sweep", "schedule", "--via", "slurm", "--config", tmp_path / "c.yaml")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "Slurm refuses a job of the sweep: allocation failure" in proc.stderr
+    assert "--cpus-per-task=64" in proc.stderr
+    assert not (tmp_path / "results/wf/sweep/schedule/state.json").exists()
+    assert not list((tmp_path / "results/wf/trials").glob("*/stages"))  # nothing trained
+    assert not list((tmp_path / "results/wf/sweep").glob("data/*/meta.json"))  # nor prepared
+
+
 def _pair_ranks(node: str) -> list[int]:
     """PIDs of the training ranks running on a namespaced host."""
     pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True,

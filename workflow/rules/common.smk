@@ -105,6 +105,10 @@ def sweep_plan():
 
 PLAN = sweep_plan()
 SWEEP = PLAN is not None
+# sweep.scheduler asha / sweep.search tpe: one scheduler job runs the trials (sweep.smk)
+SCHEDULED = SWEEP and (
+    config["sweep"]["scheduler"] != "none" or config["sweep"]["search"] != "none"
+)
 WCFG = workflow_config()
 # evaluate and export need a classifier on prepared images (not a data.source python
 # dataset read as it is, nor a regression task): the last stage's test split and bundle
@@ -312,6 +316,13 @@ def data_listing(cfg=config):
 # --- sweeps (rules in sweep.smk): trial id -> plan entry and config
 TRIALS = {t["id"]: t for t in PLAN["trials"]} if SWEEP else {}
 TCFG = {i: json.loads(Path(t["config"]).read_text()) for i, t in TRIALS.items()}
+
+
+def schedule_via():
+    """Where the sweep's scheduler sends its trials: sbatch under the Slurm executor (known
+    once the DAG is built, when params are evaluated), else this node's slots."""
+    plugin = getattr(workflow, "executor_plugin", None)
+    return "slurm" if getattr(plugin, "name", None) == "slurm" else "node"
 
 
 def trial_stage_inputs(wildcards):

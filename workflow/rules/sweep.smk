@@ -3,8 +3,11 @@
 # common.smk). Trials with equal data settings share one prepared dataset; trials run side
 # by side, each in its own slot of the node (`ddpflow launch` picks the GPUs or cores:
 # Snakemake only counts them). After all trials, one leaderboard.
+# With sweep.scheduler asha or sweep.search tpe, which trial trains next depends on results
+# as they come, so one job (sweep_schedule) decides and hands each trial's next rung to the
+# node's slots or to sbatch; the DAG has no job per trial.
 
-if SWEEP:
+if SWEEP and not SCHEDULED:
     DATASETS = {Path(t["prepared_dir"]).name: t for t in reversed(PLAN["trials"])}
     TRIAL_PATTERN = "|".join(re.escape(i) for i in TRIALS)
     TRIAL_STAGES = "|".join(
@@ -36,7 +39,6 @@ if SWEEP:
     localrules:
         sweep_image,
         sweep_collect_trial,
-        sweep_leaderboard,
 
     rule sweep_image:
         input:
@@ -124,9 +126,50 @@ if SWEEP:
         shell:
             "ddpflow --log={log:q} collect --config={params.cfg:q}"
 
+
+if SCHEDULED:
+
+    localrules:
+        sweep_schedule,
+
+    # a local job under Slurm too: it waits while its sbatch jobs train (runner.py)
+    rule sweep_schedule:
+        input:
+            plan=f"{RESULTS}/sweep/plan.json",
+            image=f"{RESULTS}/image.json",
+        output:
+            f"{RESULTS}/sweep/schedule/done.json",
+        log:
+            f"{LOGS}/sweep/schedule.log",
+        conda:
+            "../envs/ddpflow.yaml"
+        params:
+            cfg=WCFG,
+            logs=f"{LOGS}/trials",
+            via=lambda w: schedule_via(),
+            settings=HASHES["config"],  # the whole config less what no result depends on
+            code=code_version(),
+            user_code=user_code_version(config["model"]["code_dir"]),
+            data_code=data_user_code(),
+        shell:
+            "ddpflow --log={log:q} sweep schedule --config={params.cfg:q} "
+            "--logs={params.logs:q} --via={params.via:q}"
+
+
+if SWEEP:
+
+    localrules:
+        sweep_leaderboard,
+
     rule sweep_leaderboard:
         input:
-            expand(f"{RESULTS}/trials/{{trial}}/summary/summary.json", trial=TRIALS),
+            (
+                f"{RESULTS}/sweep/schedule/done.json"
+                if SCHEDULED
+                else expand(
+                    f"{RESULTS}/trials/{{trial}}/summary/summary.json", trial=TRIALS
+                )
+            ),
             plan=f"{RESULTS}/sweep/plan.json",
         output:
             csv=report(

@@ -66,7 +66,7 @@ def _rank(args) -> int:
         if args.command == "train":
             from ddpflow.engine.train import main as train_main
 
-            return train_main(cfg, args.stage, args.halt_after_steps)
+            return train_main(cfg, args.stage, args.halt_after_steps, args.halt_after_epochs)
         from ddpflow.engine.tune import run as tune_run
 
         tune_run(cfg, args.stage, _caps(args.memory_cap_mb))
@@ -77,22 +77,25 @@ def _rank(args) -> int:
 
 
 def _launch(cfg, args) -> int:
-    return _stage(cfg, args.stage, args.dry_run, args.halt_after_steps)
+    return _stage(cfg, args.stage, args.dry_run, args.halt_after_steps, args.halt_after_epochs)
 
 
-def _stage(cfg, stage: str, dry_run: bool = False, halt_after_steps: int | None = None) -> int:
+def _stage(cfg, stage: str, dry_run: bool = False, halt_after_steps: int | None = None,
+           halt_after_epochs: int | None = None) -> int:
     """One stage through the launcher: a slot of a shared node held, torchrun's agent started
     ahead (its torch import overlaps the launcher's checks; procs.warm_agent decides), the
     stage's wall time counted from this process's start."""
     from contextlib import nullcontext
 
     from ddpflow.launch.container import IN_CONTAINER
+    from ddpflow.launch.halting import rank_args
     from ddpflow.launch.procs import warm_agent
     from ddpflow.launch.slots import hold
     from ddpflow.results.wallclock import launch_t0
 
     t0 = launch_t0()
-    cfg.stage(stage)  # an unknown stage fails before anything runs
+    # an unknown stage or a halt it cannot make fails before anything runs
+    extra = rank_args(cfg.stage(stage), halt_after_steps, halt_after_epochs)
     # a shared node: take a slot (GPUs/cores) first, so the agent and ranks inherit it (a
     # container gets the slot's GPUs from CUDA_VISIBLE_DEVICES, see container.py)
     pooled = not dry_run and not os.environ.get(IN_CONTAINER)
@@ -100,8 +103,6 @@ def _stage(cfg, stage: str, dry_run: bool = False, halt_after_steps: int | None 
           if pooled else nullcontext()), warm_agent(cfg, dry_run) as agent:
         from ddpflow.launch.launcher import launch
 
-        extra = ([f"--halt-after-steps={halt_after_steps}"]
-                 if halt_after_steps is not None else [])
         return launch(cfg, stage, dry_run=dry_run, extra_args=extra, t0=t0, agent=agent)
 
 
@@ -136,7 +137,8 @@ def _validate(cfg, args) -> int:
     if cfg.sweep.enabled:  # every trial's config too, as `sweep plan` would (nothing written)
         from ddpflow.sweeps.plan import plan
 
-        print(f"# sweep of {len(plan(cfg))} trial(s), each valid", file=sys.stderr)
+        n = len(plan(cfg)) or (cfg.sweep.random or {}).get("samples", 0)  # tpe: draws
+        print(f"# sweep of {n} trial(s), each valid", file=sys.stderr)
     from ddpflow.engine.modelcheck import check_model  # model.kwargs, shard_blocks
     from ddpflow.launch.slurmsizes import resolved  # Slurm sizes left open: from sinfo
 
@@ -191,16 +193,9 @@ def _tune(cfg, args) -> int:
 
 
 def _sweep(cfg, args) -> int:
-    if args.action != "collect":
-        from ddpflow.sweeps import plan as sweep
+    from ddpflow.sweeps.commands import command
 
-        return sweep.command(cfg, args)
-    from ddpflow.sweeps.leaderboard import collect
-
-    with stop_raises():  # a stopped collect keeps none of its part-written leaderboard
-        text = collect(cfg, args.logs)
-    print(text, end="")
-    return 0
+    return command(cfg, args)
 
 
 def _doctor(cfg, args) -> int:

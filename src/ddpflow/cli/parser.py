@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the torchrun line only")
     p.add_argument("--halt-after-steps", type=int, default=None,
                    help="checkpoint and stop after this many optimizer steps (resumable)")
+    p.add_argument("--halt-after-epochs", type=int, default=None,
+                   help="validate, checkpoint and stop at the end of this epoch, before the "
+                        "stage's last (resumable: what a sweep's scheduler pauses a trial at)")
 
     p = sub.add_parser("run", help="prepare the data and run every stage in order")
     _config_args(p)
@@ -60,13 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretend each device has only this much memory (one value, or one "
                         "per rank): for shared GPUs, and for tests without a GPU")
 
-    p = sub.add_parser("sweep", help="a sweep's trials: plan them, or collect the leaderboard")
-    p.add_argument("action", choices=["plan", "collect", "list"],
+    p = sub.add_parser("sweep", help="a sweep's trials: plan, schedule, list, leaderboard")
+    p.add_argument("action", choices=["plan", "collect", "list", "schedule"],
                    help="plan: check every trial and write its config; collect: leaderboard; "
-                        "list: print the trials")
+                        "list: print the trials; schedule: run them with sweep.scheduler / "
+                        "sweep.search (asha, tpe)")
     _config_args(p)
-    p.add_argument("--logs", default=None, help="collect: folder of the trials' workflow logs "
-                   "(default results/<run>/logs/trials), where a failed trial's reason is read")
+    p.add_argument("--logs", default=None, help="folder of the trials' logs (default "
+                   "results/<run>/logs/trials), where a failed trial's reason is read")
+    p.add_argument("--via", choices=["node", "slurm"], default="node", help="schedule: "
+                   "run the trials on this node's slots, or as Slurm jobs (sbatch)")
 
     p = sub.add_parser("doctor", help="what this machine offers for training, and advice")
     _config_args(p)
@@ -118,6 +124,7 @@ def _rank_commands(sub) -> None:
     p.add_argument("--resolved", required=True, help="resolved config JSON written by launch")
     p.add_argument("--stage", required=True)
     p.add_argument("--halt-after-steps", type=int, default=None)
+    p.add_argument("--halt-after-epochs", type=int, default=None)
 
 
 def _weights_arg(p: argparse.ArgumentParser) -> None:

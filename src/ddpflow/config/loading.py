@@ -19,6 +19,7 @@ import yaml
 from ddpflow.config import endpoints
 from ddpflow.config.messages import message
 from ddpflow.config.stagechecks import check_data_recipe, check_stage_recipe, check_stages
+from ddpflow.config.sweepchecks import check_sweep
 from ddpflow.config.types import Config, build
 from ddpflow.config.types import schema as _schema  # parsed once (cached)
 from ddpflow.config.yamlfile import read_yaml
@@ -115,6 +116,7 @@ def validate(raw: dict[str, Any]) -> dict[str, Any]:
     check_stage_recipe(d)  # progressive_resize, warmup_epochs, schedules
     check_data_recipe(d)  # sampling, augmentation policy, evaluation crop
     _check_deterministic(d)
+    check_sweep(d)  # scheduler and search against the stages they act on
     return d
 
 

@@ -90,6 +90,11 @@ class _SweepSwitch:
     def enabled(self) -> bool:
         return bool(self.grid or self.variants or self.random)
 
+    @property
+    def scheduled(self) -> bool:
+        """Trials handed out by one scheduler job (asha, tpe), not one Snakemake job each."""
+        return self.scheduler != "none" or self.search != "none"
+
 
 MIXINS = {"": _ConfigPlaces, "sweep": _SweepSwitch}
 # every other section: its key in CamelCase + "Cfg" (data.augment -> AugmentCfg)

@@ -4,7 +4,9 @@
                  reached some rank: the ranks learn it together, at a log line or, between
                  log lines, at a small collective about every `stop_check_s` seconds
                  (StopPoll), and every rank stops at the same step after a checkpoint
-    halted       `--halt-after-steps N`: checkpoint and stop after step N (resumable)
+    halted       `--halt-after-steps N`: checkpoint and stop after step N; `--halt-after-epochs
+                 N`: validate, checkpoint and stop at the end of epoch N (a sweep's rung);
+                 both resumable
     early stop   after a validation, `stages[].stop` (patience, target): earlystop.py's rule,
                  kept in TrainState.stop so that a resumed stage continues the count
 The signal handlers only set a flag (stopflag.py); this reads it where the ranks agree.
@@ -49,9 +51,11 @@ class StopPoll:
 
 
 class StopControl:
-    def __init__(self, stop_check_s: float, halt_after: int | None):
+    def __init__(self, stop_check_s: float, halt_after: int | None,
+                 halt_after_epochs: int | None = None):
         self.stop_check_s = stop_check_s  # seconds between polls between log lines
         self.halt_after = halt_after  # optimizer steps (--halt-after-steps), or None
+        self.halt_after_epochs = halt_after_epochs  # epochs (--halt-after-epochs), or None
         self.poll, self.rule = StopPoll(stop_check_s, 0), None
 
     def begin(self, start_step: int, rule: earlystop.StopRule | None) -> None:
@@ -73,6 +77,11 @@ class StopControl:
         if self.halt_after is not None and step >= self.halt_after:
             return HALTED
         return None
+
+    def halts_after_epoch(self, epoch: int) -> bool:
+        """Whether the stage pauses once epoch `epoch` (counted from 1) is done: validated,
+        then checkpointed (launch/halting.py refuses a halt at the stage's own end)."""
+        return epoch == self.halt_after_epochs
 
     def after_validation(self, s, metrics: dict, t_start: float, wall_t0: float, say) -> bool:
         """Early stopping's record in TrainState.stop after a validation (the same decision

@@ -57,9 +57,10 @@ from ddpflow.tracking.trackers import open_trackers
 
 
 class Trainer:
-    def __init__(self, cfg: Config, stage: str, halt_after_steps: int | None = None):
+    def __init__(self, cfg: Config, stage: str, halt_after_steps: int | None = None,
+                 halt_after_epochs: int | None = None):
         self.cfg, self.stage = cfg, cfg.stage(stage)
-        self.stops = StopControl(cfg.stop_check_s, halt_after_steps)
+        self.stops = StopControl(cfg.stop_check_s, halt_after_steps, halt_after_epochs)
         self.state = TrainState()
         self.diverged: str | None = None  # why, once a NaN/inf loss was seen on some rank
         self.halted = False  # stopped at a checkpoint before the end: resumable
@@ -148,13 +149,16 @@ class Trainer:
             if self.halted:
                 break
             last = state.step >= setup.total_steps  # the last epoch is always validated
-            if last or (state.epoch + 1) % self.stage.validate_every_epochs == 0:
+            if (last or (state.epoch + 1) % self.stage.validate_every_epochs == 0
+                    or self.stops.halts_after_epoch(state.epoch + 1)):
                 self.validate()
             state.epoch += 1
             self.in_epoch = 0
-            at_end = self.checkpointer.due_at_epoch_end(state.epoch)
+            pause = self.stops.halts_after_epoch(state.epoch)  # a sweep's rung: pause here
+            at_end = self.checkpointer.due_at_epoch_end(state.epoch) or pause  # (resumable)
             if (at_end or self.checkpointer.best_due) and not self.checkpoint(ckpt=at_end):
                 break
+            self.halted = pause
         self.clock.lap("train")
         self.logger.close()  # (and the profiler's trace)
         close_workers(self.data.train)
@@ -321,10 +325,10 @@ class Trainer:
             self.beat.close()
 
 
-def train_stage(cfg: Config, stage_name: str, halt_after_steps: int | None = None) -> int:
+def train_stage(cfg: Config, stage_name: str, halt_after_steps=None, halt_after_epochs=None):
     """Run (or resume) one stage. Returns 0 when it finished or stopped at a checkpoint."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    trainer = Trainer(cfg, stage_name, halt_after_steps)
+    trainer = Trainer(cfg, stage_name, halt_after_steps, halt_after_epochs)
     try:
         return trainer.run()
     except RuntimeError as e:

@@ -25,6 +25,7 @@ from ddpflow.core.writing import output_lock, write_json_atomic, write_text_atom
 from ddpflow.launch.slots import read_record
 from ddpflow.results.collect import stage_row
 from ddpflow.results.report import CSS, ONLOAD, _fmt, _img
+from ddpflow.sweeps import scheduleboard
 from ddpflow.sweeps.plan import PLAN_FIX, read_plan, trial_config_path
 from ddpflow.tracking.mlflowrun import finish_workflow_run
 
@@ -33,7 +34,7 @@ COLUMNS = ["rank", "trial", "best", "status", "reason", "monitor", "mode", "fina
            "steps", "weights", "report"]
 
 
-def _reason_from_log(log: Path) -> str | None:
+def reason_from_log(log: Path) -> str | None:
     """The launcher's last error line, else the log's last line (a traceback's end)."""
     try:
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
@@ -102,7 +103,7 @@ def _status(cfg: Config, rows: list[dict], logs: Path) -> tuple[str, str]:
         failed = _read(cfg.stage_dir(st.name) / "failed.json")
         if failed:
             return "diverged", f"stage {st.name}: {failed.get('reason')}"
-        reason = _reason_from_log(logs / f"train_{st.name}.log")
+        reason = reason_from_log(logs / f"train_{st.name}.log")
         if reason:
             return "failed", f"stage {st.name}: {reason}"
         return "not finished", f"stage {st.name}: {r.get('note') or 'not run'}"
@@ -128,10 +129,15 @@ def collect(cfg: Config, logs: Path | None = None) -> str:
     """Write the leaderboard files; return the headline text."""
     plan = read_plan(cfg)
     logs = Path(logs or cfg.run_dir / "logs" / "trials")
-    rows = rank([trial_row(cfg, e, logs) for e in plan["trials"]])
+    schedule = None
+    if cfg.sweep.scheduled:  # each trial's rung, status and epochs from the scheduler's state
+        rows, schedule = scheduleboard.scheduled_rows(cfg, plan, logs, trial_row)
+    else:
+        rows = rank([trial_row(cfg, e, logs) for e in plan["trials"]])
     out = cfg.run_dir / "sweep"
     swept = plan["swept"]
-    fields = COLUMNS[:3] + ["variant"] + [f"param:{k}" for k in swept] + COLUMNS[3:]
+    fields = COLUMNS[:3] + ["variant"] + [f"param:{k}" for k in swept] + COLUMNS[3:] + (
+        scheduleboard.COLUMNS if schedule else [])
     best = next((r for r in rows if r["best"]), None)
     # one writer at a time; the last leaderboard goes first and headline.txt (the file that
     # says the set is complete) comes last: a collect killed part-way (even by SIGKILL)
@@ -140,15 +146,15 @@ def collect(cfg: Config, logs: Path | None = None) -> str:
         out.mkdir(parents=True, exist_ok=True)
         _remove_outputs(out)
         try:
-            figures = _plots(rows, swept, out)
+            figures = _plots(rows, swept, out, schedule)
             board = {"run": cfg.run, "swept": swept, "trials": rows, "best": best and {
                 "trial": best["trial"], "value": best["best_value"], "monitor":
                 best["monitor"], "weights": best["weights"]},
-                "figures": sorted(p.name for p in figures.values())}
+                "figures": sorted(p.name for p in figures.values()), "schedule": schedule}
             write_csv(out / "leaderboard.csv", fields, rows)
             write_json_atomic(out / "leaderboard.json", board)
             write_text_atomic(out / "report.html", render(cfg, board, figures, out))
-            text = headline(cfg, rows, best, out)
+            text = headline(cfg, rows, best, out, schedule)
             write_text_atomic(out / "headline.txt", text)
         except BaseException:  # SIGTERM (cli raises Stopped), Ctrl-C, an error: no part kept
             _remove_outputs(out)
@@ -168,10 +174,13 @@ def _remove_outputs(out: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def headline(cfg: Config, rows: list[dict], best: dict | None, out: Path) -> str:
+def headline(cfg: Config, rows: list[dict], best: dict | None, out: Path,
+             schedule: dict | None = None) -> str:
     done = sum(r["status"] == "finished" for r in rows)
     lines = [f"ddpflow sweep '{cfg.run}': {done}/{len(rows)} trial(s) finished: "
              f"{out / 'report.html'}"]
+    if schedule:
+        lines.append(f"  {schedule_text(schedule)}")
     if best:
         lines.append(f"  best {best['trial']}: {best['monitor']} {best['best_value']:.4f} "
                      f"-> {best['weights']}")
@@ -182,13 +191,23 @@ def headline(cfg: Config, rows: list[dict], best: dict | None, out: Path) -> str
         lines.append("  then:      " + shell_line(
             ["ddpflow", "predict", "--bundle", str(bundle)]) + " IMAGE_OR_FOLDER...")
     lines += [f"  {r['trial']}: {r['status']} ({r['reason']})" for r in rows
-              if r["status"] != "finished"]
+              if r["status"] not in ("finished", "paused")]
     return "\n".join(lines) + "\n"
 
 
-def _plots(rows: list[dict], swept: list[str], out: Path) -> dict[str, Path]:
+def schedule_text(schedule: dict) -> str:
+    return (f"{schedule['scheduler'] if schedule['scheduler'] != 'none' else 'tpe'}: "
+            f"{schedule['spent_epochs']} of {schedule['full_epochs']} trial-epochs of "
+            f"{schedule['resource'].split(' of ', 1)[1]} ({schedule['fraction']} of running "
+            f"every trial to its end), rungs at epoch(s) "
+            f"{', '.join(map(str, schedule['rungs']))}")
+
+
+def _plots(rows: list[dict], swept: list[str], out: Path,
+           schedule: dict | None = None) -> dict[str, Path]:
     """The monitored value against each swept key (numbers on their axis, others as
-    categories; a log axis for keys spanning a decade or more) and against wall time."""
+    categories; a log axis for keys spanning a decade or more) and against wall time; for a
+    scheduled sweep also against epochs, a line per trial (scheduleboard.py)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,6 +215,9 @@ def _plots(rows: list[dict], swept: list[str], out: Path) -> dict[str, Path]:
 
     done = [r for r in rows if r["status"] == "finished" and r.get("best_value") is not None]
     figures = {}
+    metric = next((r["monitor"] for r in rows if r.get("monitor")), None) or "value"
+    if schedule and (path := scheduleboard.resource_plot(rows, schedule, metric, out)):
+        figures["epochs"] = path
     if not done:
         return figures
     metric = done[0]["monitor"] or "value"
@@ -225,7 +247,9 @@ def _plots(rows: list[dict], swept: list[str], out: Path) -> dict[str, Path]:
 
 
 def render(cfg: Config, board: dict, figures: dict[str, Path], out: Path) -> str:
-    head = ["rank", "trial", *[f"{k}" for k in board["swept"]], "status", "best value",
+    sched = board.get("schedule")
+    head = ["rank", "trial", *[f"{k}" for k in board["swept"]], "status",
+            *(["rung (epoch)", "epochs trained"] if sched else []), "best value",
             "final value", "wall time (s)", "samples/s", "GPU-hours", "report"]
     trs = []
     for r in board["trials"]:
@@ -233,6 +257,7 @@ def render(cfg: Config, board: dict, figures: dict[str, Path], out: Path) -> str
         cells = [html_text(r["rank"]), ("&#9733; " if r["best"] else "") + html_text(r["trial"]),
                  *[_fmt(r.get(f"param:{k}")) for k in board["swept"]],
                  _fmt(r["status"]) + (f": {_fmt(r['reason'])}" if r["reason"] else ""),
+                 *([_fmt(r["rung"]), _fmt(r["resource_epochs"])] if sched else []),
                  _fmt(r["best_value"]), _fmt(r["final_value"]), _fmt(r["wall_time_s"]),
                  _fmt(r["wall_samples_per_s"]), _fmt(r["gpu_hours"]),
                  f'<a href="{html_text(link)}">report</a>'
@@ -252,7 +277,7 @@ def render(cfg: Config, board: dict, figures: dict[str, Path], out: Path) -> str
 <style>{CSS}</style><script>{ONLOAD}</script></head>
 <body data-images-loaded="0">
 <h1>ddpflow sweep <code>{html_text(cfg.run)}</code>: {len(board['trials'])} trial(s)</h1>
-{best_html}
+{best_html}{f"<p>{html_text(schedule_text(sched))}</p>" if sched else ""}
 <h2>Leaderboard</h2>{table}
 <h2>Plots</h2>{imgs or '<p>No trial finished yet.</p>'}
 </body></html>

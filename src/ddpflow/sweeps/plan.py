@@ -8,9 +8,10 @@ trial against the schema before anything is written; trials with equal data sett
 one prepared dataset (`data.prepared_dir` under `<run>/sweep/data/`), and all trials take
 their GPUs/cores from one slot pool (`hardware.slots`, see slots.py).
 
-    ddpflow sweep plan    --config F   # check, then write sweep/plan.json and trial configs
-    ddpflow sweep list    --config F   # print the trials
-    ddpflow sweep collect --config F   # leaderboard (leaderboard.py)
+    ddpflow sweep plan     --config F   # check, then write sweep/plan.json and trial configs
+    ddpflow sweep list     --config F   # print the trials
+    ddpflow sweep schedule --config F   # sweep.scheduler asha / search tpe (scheduler.py)
+    ddpflow sweep collect  --config F   # leaderboard (leaderboard.py)
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import math
 import random
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,18 +283,25 @@ def plan(cfg: Config) -> list[tuple[Trial, dict]]:
     for v in d["sweep"]["variants"]:
         for key in v.get("set") or {}:
             check_key(key, f"sweep.variants '{v['name']}' key", schema)
-    from ddpflow.engine.modelcheck import check_model  # as launch checks each trial's model
-
-    out, models = [], set()
-    for trial in expand(d):
-        try:
-            t = _place(cfg, trial_dict(d, trial), trial)
-            check_model(from_dict(t), models)
-        except UserError as e:
-            raise UserError(f"sweep trial {trial.id} ({_shown(trial)}): {e}") from None
-        out.append((trial, t))
+    models: set = set()  # the distinct model settings checked so far (modelcheck.py)
+    out = [(trial, resolve(cfg, d, trial, models)) for trial in expand(d)]
     _check_node(cfg)
-    return out
+    # search tpe: the trials are drawn while the sweep runs (sweeps/tpe.py); these random
+    # draws of the same space only checked that every value fits its setting
+    return [] if cfg.sweep.search == "tpe" else out
+
+
+def resolve(cfg: Config, d: dict, trial: Trial, models: set | None = None) -> dict:
+    """A trial's resolved config dict, validated, its model checked as launch checks it
+    (once per distinct model setting in `models`); a UserError naming the trial."""
+    from ddpflow.engine.modelcheck import check_model
+
+    try:
+        t = _place(cfg, trial_dict(d, trial), trial)
+        check_model(from_dict(t), models)
+    except UserError as e:
+        raise UserError(f"sweep trial {trial.id} ({_shown(trial)}): {e}") from None
+    return t
 
 
 def _check_node(cfg: Config) -> None:
@@ -313,26 +320,35 @@ def _shown(trial: Trial) -> str:
 
 
 # --------------------------------------------------------------------------- writing
+def write_trial_config(cfg: Config, trial: Trial, t: dict) -> Path:
+    """trials/<id>/trial_config.json (rewritten only when changed)."""
+    from ddpflow.core.writing import write_text_atomic
+
+    path = cfg.run_dir / "trials" / trial.id / "trial_config.json"
+    text = json.dumps(t, indent=2, sort_keys=True)
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text, "a trial's config")
+    return path
+
+
 def write_plan(cfg: Config, trials: list[tuple[Trial, dict]]) -> Path:
-    """sweep/plan.json and trials/<id>/trial_config.json (rewritten only when changed)."""
+    """sweep/plan.json and every trial's trial_config.json."""
     from ddpflow.config.rerun import hashes
-    from ddpflow.core.writing import write_json_atomic, write_text_atomic
+    from ddpflow.core.writing import write_json_atomic
 
     rows = []
     for trial, t in trials:
-        path = cfg.run_dir / "trials" / trial.id / "trial_config.json"
-        text = json.dumps(t, indent=2, sort_keys=True)
-        if not path.is_file() or path.read_text() != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, text, "a trial's config")
+        path = write_trial_config(cfg, trial, t)
         rows.append({"id": trial.id, "variant": trial.variant, "overrides": trial.overrides,
                      "config": str(path), "prepared_dir": t["data"]["prepared_dir"],
                      "stages": [s["name"] for s in t["stages"]],
                      "hashes": hashes(t)})  # the workflow's rerun params for the trial
     out = cfg.run_dir / "sweep" / "plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    blob = {"run": cfg.run, "trials": rows,
-            "swept": sorted({k for r in rows for k in r["overrides"]})}
+    space = (cfg.sweep.random or {}).get("space", {}) if cfg.sweep.search == "tpe" else {}
+    blob = {"run": cfg.run, "trials": rows, "search": cfg.sweep.search,
+            "swept": sorted({k for r in rows for k in r["overrides"]} | set(space))}
     if reading.read_json_or_none(out, PLAN_SCHEMA, "sweep plan") != blob:
         write_json_atomic(out, blob)
     return out
@@ -343,7 +359,7 @@ _STRING = {"type": "string"}
 PLAN_SCHEMA = {
     "type": "object", "required": ["trials", "swept"],
     "properties": {
-        "run": _STRING,
+        "run": _STRING, "search": _STRING,
         "swept": {"type": "array", "items": _STRING},
         "trials": {"type": "array", "items": {
             "type": "object", "required": ["id", "overrides"],
@@ -370,17 +386,3 @@ def trial_config_path(cfg: Config, entry: dict) -> Path:
     folder = reading.inside(cfg.run_dir / "trials", entry["id"],
                             f"{cfg.run_dir / 'sweep' / 'plan.json'}: trials.id")
     return folder / "trial_config.json"
-
-
-def command(cfg: Config, args) -> int:
-    """`ddpflow sweep plan|list` (`sweep collect` is the leaderboard's)."""
-    trials = plan(cfg)
-    if args.action == "list":
-        for trial, _ in trials:
-            print(f"{trial.id}\t{_shown(trial)}")
-        return 0
-    path = write_plan(cfg, trials)
-    shared = len({t["data"]["prepared_dir"] for _, t in trials})
-    print(f"ddpflow: sweep of {len(trials)} trial(s), {shared} prepared dataset(s): {path}",
-          file=sys.stderr)
-    return 0
