@@ -48,6 +48,7 @@ def test_export_check_fails_on_a_changed_top_class_passes_at_the_tolerance_and_r
 
     x = torch.zeros(2, 3, 1, 1)
     path = tmp_path / "model.ts"
+    net = torch.nn.Identity()  # the writers are replaced: what they are handed only
 
     def writer(out):
         return lambda m, x, path: out
@@ -56,19 +57,19 @@ def test_export_check_fails_on_a_changed_top_class_passes_at_the_tolerance_and_r
     ref = torch.tensor([[0.0, 1e-6], [5.0, 0.0]])
     monkeypatch.setitem(export.WRITERS, "torchscript", writer(torch.tensor([[1e-6, 0.0],
                                                                             [5.0, 0.0]])))
-    c = export._write_format("torchscript", None, x, ref, path)
+    c = export._write_format("torchscript", net, x, ref, path)
     assert c["checked"] is True and not c["same_top1"] and c["ok"] is False, c
     # a difference of exactly the tolerance passes (<=)
     monkeypatch.setattr(export, "RTOL", 0.5)
     ref = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     monkeypatch.setitem(export.WRITERS, "torchscript", writer(ref + torch.tensor([[0.5, 0.0],
                                                                                   [0.0, 0.0]])))
-    c = export._write_format("torchscript", None, x, ref, path)
+    c = export._write_format("torchscript", net, x, ref, path)
     assert c["ok"] is True and c["max_abs_diff"] == c["tolerance"] == 0.5 and c["error"] is None
     # written but nothing here runs it (onnx without onnxruntime): ok, marked not checked
     monkeypatch.setitem(export.WRITERS, "onnx", lambda m, x, path: None)
-    assert export._write_format("onnx", None, x, ref, path)["checked"] is False
-    assert export._write_format("onnx", None, x, ref, path)["ok"] is True
+    assert export._write_format("onnx", net, x, ref, path)["checked"] is False
+    assert export._write_format("onnx", net, x, ref, path)["ok"] is True
 
     def fails(m, x, path, err=None, write=True):
         if write:
@@ -77,17 +78,17 @@ def test_export_check_fails_on_a_changed_top_class_passes_at_the_tolerance_and_r
 
     # the exporter fails: reported for that format, its half-written file removed
     monkeypatch.setitem(export.WRITERS, "torchscript", fails)
-    assert export._write_format("torchscript", None, x, ref, path) == {
+    assert export._write_format("torchscript", net, x, ref, path) == {
         "ok": False, "error": "ValueError: no tracer for this", "checked_on": ["cpu"]}
     assert not path.exists()
     monkeypatch.setitem(export.WRITERS, "torchscript", lambda m, x, path: fails(
         m, x, path, write=False))
-    assert export._write_format("torchscript", None, x, ref, path)["ok"] is False  # no file
+    assert export._write_format("torchscript", net, x, ref, path)["ok"] is False  # no file
     # a full disk is not the format's fault: raised, for build_folder to name the target
     monkeypatch.setitem(export.WRITERS, "torchscript", lambda m, x, path: fails(
         m, x, path, OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(OSError):
-        export._write_format("torchscript", None, x, ref, path)
+        export._write_format("torchscript", net, x, ref, path)
 
 
 def test_evaluate_counts_each_image_exactly_once_on_any_number_of_ranks(tmp_path):
