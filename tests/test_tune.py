@@ -215,7 +215,7 @@ def test_a_candidate_never_starts_once_the_budget_is_spent(monkeypatch):
     pace = tune.Pace(SimpleNamespace(backend=None, is_master=False), budget_s=10,
                      climb_by_throughput=False)
     ran = []
-    p = SimpleNamespace(pace=pace, d=SimpleNamespace(device=torch.device("cpu")),
+    p = SimpleNamespace(pace=pace, dist=SimpleNamespace(device=torch.device("cpu")),
                         measure=lambda *a: ran.append(a) or {"samples_per_s": 1.0,
                                                              "data_wait_fraction": 0.0})
     now[0] = 109.9

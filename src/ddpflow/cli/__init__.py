@@ -176,8 +176,8 @@ def _image(cfg, args) -> int:
 
 def _run_all(cfg, args) -> int:
     _prepare(cfg)
-    for st in cfg.stages:
-        rc = _stage(cfg, st.name)
+    for stage in cfg.stages:
+        rc = _stage(cfg, stage.name)
         if rc:
             return rc
     print(f"ddpflow: all {len(cfg.stages)} stage(s) finished; results in {cfg.run_dir}")

@@ -52,7 +52,7 @@ def close_workers(batches) -> None:
         it._shutdown_workers()
 
 
-def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
+def open_pipeline(cfg, dist, meta: dict, batch_size: int, tuned: dict | None,
                   model_channels: Callable[[int], int], channels_last: bool,
                   trace=None, recipe: Recipe | None = None,
                   budget: tuple[int, str] | None = None, accum: int = 1) -> Pipeline:
@@ -61,7 +61,7 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
     why) the data may take under data.loader auto, the same on every rank (the caller's);
     `accum`: micro-batches per optimizer step (the sampler's slots, loaders.EpochSampler)."""
     if meta.get("kind") == "python":
-        return _user_dataset(cfg, d, meta, batch_size, trace, accum)
+        return _user_dataset(cfg, dist, meta, batch_size, trace, accum)
     _, arrays = prepared.load(cfg.data_dir)
     train_x, train_y = arrays["train"]
     # what the device loader keeps resident: train and val (test is read once, streamed)
@@ -71,13 +71,13 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
         kind, workers, prefetch = tuned["loader"], tuned["num_workers"], tuned["prefetch_factor"]
         reason = "measured fastest by ddpflow tune"
     else:
-        kind, reason = choose_loader(cfg.data.loader, nbytes, d.device,
+        kind, reason = choose_loader(cfg.data.loader, nbytes, dist.device,
                                      cfg.data.device_memory_fraction,
                                      *(budget or (None, "")))
     channels = meta["image_shape"][2]
-    normalize = Normalize(meta["mean"], meta["std"], d.device, model_channels(channels),
+    normalize = Normalize(meta["mean"], meta["std"], dist.device, model_channels(channels),
                           channels_last)
-    train = TrainBatches(kind, train_x, train_y, batch_size, d.device, d.world, d.rank,
+    train = TrainBatches(kind, train_x, train_y, batch_size, dist.device, dist.world, dist.rank,
                          cfg.seed, cfg.data.augment, normalize, workers, cfg.data.pin_memory,
                          cfg.data.persistent_workers, prefetch, trace=trace,
                          recipe=recipe and replace(recipe, num_classes=meta["num_classes"]),
@@ -87,7 +87,7 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                          interpolation=cfg.data.interpolation)
     # validation and test: unaugmented, the evaluation's centre crop (held on the device by
     # the device loader; the test split only once, at the stage's end)
-    held = {split: val_batches(*arrays[split], d.device, d.world, d.rank, normalize,
+    held = {split: val_batches(*arrays[split], dist.device, dist.world, dist.rank, normalize,
                                resident=kind == "device" and split == "val", split=split,
                                max_bad=cfg.data.max_bad_fraction, crop=eval_sizes(cfg.data))
             for split in ("val", "test")}
@@ -96,7 +96,7 @@ def open_pipeline(cfg, d, meta: dict, batch_size: int, tuned: dict | None,
                     len(train_y), normalize)
 
 
-def _user_dataset(cfg, d, meta, batch_size, trace, accum: int) -> Pipeline:
+def _user_dataset(cfg, dist, meta, batch_size, trace, accum: int) -> Pipeline:
     train_ds, val_ds = factory.dataset(cfg, "train"), factory.dataset(cfg, "val")
     info = factory.describe(train_ds, factory.check_item(train_ds, "train", cfg))
     factory.check_item(val_ds, "val", cfg, info["in_channels"])
@@ -107,7 +107,8 @@ def _user_dataset(cfg, d, meta, batch_size, trace, accum: int) -> Pipeline:
                         f"classes; give it `targets` (a class index per sample, as "
                         f"torchvision's datasets have), or set data.materialize: true")
     classify = cfg.task.name == "classification"  # targets are class indices: checked
-    train = factory.FactoryBatches(train_ds, batch_size, d.device, d.world, d.rank, cfg.seed,
+    train = factory.FactoryBatches(train_ds, batch_size, dist.device, dist.world, dist.rank,
+                                   cfg.seed,
                                    cfg.data, trace, accum, sampling(
                                        cfg, labels, len(train_ds), info["num_classes"]
                                        or meta.get("num_classes")), labels, classify)
@@ -115,7 +116,7 @@ def _user_dataset(cfg, d, meta, batch_size, trace, accum: int) -> Pipeline:
     def held_out(split: str):
         def batches(val_batch: int):
             ds = val_ds if split == "val" else factory.dataset(cfg, "test")  # at the end only
-            return factory.val_batches(ds, val_batch, d.device, d.world, d.rank, cfg.data,
+            return factory.val_batches(ds, val_batch, dist.device, dist.world, dist.rank, cfg.data,
                                        split, classify)
         return batches
 

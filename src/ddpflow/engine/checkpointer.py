@@ -92,10 +92,10 @@ class Checkpointer:
         """Every rank: the chosen checkpoint (resume.choose) into the bundle; its TrainState,
         or None for a fresh start. Rank 0 then clears what a killed run left and sets aside
         a stale run's checkpoints (never mixed with this one's)."""
-        d = self.dist
-        saved = resume.restore(chosen, self.files, d, self.parts, accum)
-        distributed.gather_objects(d, None)  # barrier: every rank has read its checkpoint
-        if d.is_master:
+        dist = self.dist
+        saved = resume.restore(chosen, self.files, dist, self.parts, accum)
+        distributed.gather_objects(dist, None)  # barrier: every rank has read its checkpoint
+        if dist.is_master:
             (self.files.out / "failed.json").unlink(missing_ok=True)
             checkpoint.remove_partial(self.files.ckpt_dir)  # temp files of a killed write
             if not chosen:
@@ -110,8 +110,8 @@ class Checkpointer:
         device counters read) when `with_ckpt`, and best.pt of `state.best` when due.
         Returns the ranks' (first bad loss step, first bad input step) instead, saving
         nothing, when a NaN/inf loss has touched the weights."""
-        d = self.dist
-        gathered = distributed.gather_objects(d, (distributed.rng_state(d.device), bad_steps))
+        dist = self.dist
+        gathered = distributed.gather_objects(dist, (distributed.rng_state(dist.device), bad_steps))
         bad = [g[1] for g in gathered if g[1][0] >= 0]
         if bad:
             return bad
@@ -121,19 +121,19 @@ class Checkpointer:
         return None
 
     def _save(self, now: TrainState | None, rngs: list, best: dict | None) -> None:
-        p, d = self.parts, self.dist
+        p, dist = self.parts, self.dist
         if self.shards is None:
-            if d.is_master:
+            if dist.is_master:
                 state = self.state_dict(now, rngs, with_optimizer=True) if now else None
                 self._write_async(p.plain.state_dict(), p.ema, state, best)
             return
         from ddpflow.engine.shardedckpt import full_model
 
-        whole = full_model(p.model, d) if best is not None else None  # a collective
+        whole = full_model(p.model, dist) if best is not None else None  # a collective
         if now:
-            state = self.state_dict(now, rngs, with_optimizer=False) if d.is_master else None
+            state = self.state_dict(now, rngs, with_optimizer=False) if dist.is_master else None
             self.shards.save(now.step, p.model, p.opt, state)  # a collective: DCP's plan
-        if d.is_master and best is not None:
+        if dist.is_master and best is not None:
             self._write_async(whole, None, None, best)
 
     def state_dict(self, now: TrainState, rngs: list, with_optimizer: bool) -> dict:

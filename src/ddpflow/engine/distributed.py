@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from ddpflow.config.types import HardwareCfg
 from ddpflow.core.errors import UserError
@@ -58,17 +58,17 @@ def setup(hw: HardwareCfg, process_group: bool | str = True) -> Dist:
     if process_group and ("RANK" in os.environ or process_group == "always"):
         backend = "nccl" if device.type == "cuda" else "gloo"
         # without torchrun (a lone process that still needs a group: FSDP), a group of one
-        alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0,
+        alone = {} if "RANK" in os.environ else {"store": torch_dist.HashStore(), "rank": 0,
                                                  "world_size": 1}
         # a hung collective fails after timeout_s instead of holding the allocation for hours
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=hw.timeout_s),
+        torch_dist.init_process_group(backend, timeout=datetime.timedelta(seconds=hw.timeout_s),
                                 device_id=device if device.type == "cuda" else None, **alone)
     return Dist(rank, local_rank, world if backend else 1, device, backend)
 
 
-def teardown(d: Dist) -> None:
-    if d.backend and dist.is_initialized():
-        dist.destroy_process_group()
+def teardown(dist: Dist) -> None:
+    if dist.backend and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
 
 
 def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
@@ -109,54 +109,54 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def gather_objects(d: Dist, obj) -> list:
+def gather_objects(dist: Dist, obj) -> list:
     """Every rank's obj on every rank (a collective; a sync point)."""
-    if not d.backend:
+    if not dist.backend:
         return [obj]
-    out = [None] * d.world
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.world
+    torch_dist.all_gather_object(out, obj)
     return out
 
 
-def all_sum(d: Dist, t: torch.Tensor) -> torch.Tensor:
-    if d.backend:
-        dist.all_reduce(t)
+def all_sum(dist: Dist, t: torch.Tensor) -> torch.Tensor:
+    if dist.backend:
+        torch_dist.all_reduce(t)
     return t
 
 
-def all_min(d: Dist, value: int, op: str = "MIN") -> int:
+def all_min(dist: Dist, value: int, op: str = "MIN") -> int:
     """The least (op MAX: the largest) of every rank's `value` (a collective)."""
-    if not d.backend:
+    if not dist.backend:
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=d.device)
-    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    t = torch.tensor([value], dtype=torch.int64, device=dist.device)
+    torch_dist.all_reduce(t, op=getattr(torch_dist.ReduceOp, op))
     return int(t.item())
 
 
-def all_gather_floats(d: Dist, values: list[float]) -> list[list[float]]:
+def all_gather_floats(dist: Dist, values: list[float]) -> list[list[float]]:
     """Per-rank lists of floats (a collective)."""
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    if not d.backend:
+    t = torch.tensor(values, dtype=torch.float64, device=dist.device)
+    if not dist.backend:
         return [t.tolist()]
-    out = [torch.zeros_like(t) for _ in range(d.world)]
-    dist.all_gather(out, t)
+    out = [torch.zeros_like(t) for _ in range(dist.world)]
+    torch_dist.all_gather(out, t)
     return [o.tolist() for o in out]
 
 
-def broadcast_buffers(d: Dist, module: torch.nn.Module) -> None:
+def broadcast_buffers(dist: Dist, module: torch.nn.Module) -> None:
     """Rank 0's buffers (BatchNorm running stats) to every rank. DDP does this at the start
     of each forward, so after the last training step they differ until this runs."""
-    if d.backend:
+    if dist.backend:
         for b in module.buffers():
-            dist.broadcast(b, src=0)
+            torch_dist.broadcast(b, src=0)
 
 
-def broadcast_object(d: Dist, obj):
+def broadcast_object(dist: Dist, obj):
     """Rank 0's obj on every rank (a collective)."""
-    if not d.backend:
+    if not dist.backend:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    torch_dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -167,7 +167,7 @@ _NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buff
                            else {"broadcast_buffers": False})
 
 
-def wrap_ddp(model: torch.nn.Module, d: Dist, deterministic: bool = False
+def wrap_ddp(model: torch.nn.Module, dist: Dist, deterministic: bool = False
              ) -> torch.nn.Module:
     """DistributedDataParallel when more than one rank trains (one rank has nothing to
     all-reduce, so it pays no DDP overhead); gradients live in DDP's buckets (no copy per
@@ -176,12 +176,12 @@ def wrap_ddp(model: torch.nn.Module, d: Dist, deterministic: bool = False
     test split and the final weights take rank 0's (broadcast_buffers below).
     deterministic with more than two ranks: the gradients are summed in rank order
     (ordered_mean_hook), so a resumed run repeats an uninterrupted one bit for bit."""
-    if not d.backend or d.world == 1:
+    if not dist.backend or dist.world == 1:
         return model
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
+        model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
         gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
-    if deterministic and d.world > 2:
+    if deterministic and dist.world > 2:
         ddp.register_comm_hook(None, ordered_mean_hook)
     return ddp
 
@@ -196,10 +196,10 @@ def ordered_mean_hook(_state, bucket):
     sum is the same in either order; from three on it is not. Here every rank gathers all
     ranks' buckets and sums them in rank order: world x the traffic, for deterministic mode.
     """
-    world = dist.get_world_size()
+    world = torch_dist.get_world_size()
     grads = bucket.buffer()
     parts = [torch.empty_like(grads) for _ in range(world)]
-    fut = dist.all_gather(parts, grads, async_op=True).get_future()
+    fut = torch_dist.all_gather(parts, grads, async_op=True).get_future()
 
     def mean(f):
         got = f.value()
@@ -211,13 +211,13 @@ def ordered_mean_hook(_state, bucket):
     return fut.then(mean)
 
 
-def wrap(model: torch.nn.Module, d: Dist, strategy: str, sync_bn: bool,
+def wrap(model: torch.nn.Module, dist: Dist, strategy: str, sync_bn: bool,
          deterministic: bool = False) -> torch.nn.Module:
     """The training wrapper: DDP (when more than one rank trains), optionally with
     SyncBatchNorm; strategy dp = single-process DataParallel, a baseline only (without
     GPUs it calls the module as it is)."""
-    if d.backend and sync_bn:
+    if dist.backend and sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if strategy == "dp":
         return torch.nn.DataParallel(model)
-    return wrap_ddp(model, d, deterministic)
+    return wrap_ddp(model, dist, deterministic)

@@ -68,8 +68,8 @@ class Ema:
         self.count = int(updates)
 
 
-def open_ema(st, model: torch.nn.Module) -> Ema | None:
+def open_ema(stage, model: torch.nn.Module) -> Ema | None:
     """The stage's EMA of `model` (the plain module), or None when stages[].ema is off."""
-    if st.ema.decay is None:
+    if stage.ema.decay is None:
         return None
-    return Ema(model, st.ema.decay, st.ema.every_steps)
+    return Ema(model, stage.ema.decay, stage.ema.every_steps)

@@ -42,38 +42,38 @@ NAMED = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 FROM_RANK_0 = re.compile(r"while waiting for send/recv from rank (\d+)")
 
 
-def watch_group(d):
+def watch_group(dist):
     """Every rank, right after the process group: the gloo group monitored_barrier runs on
     (a group of its own: the training group may be the broken one). None for one rank."""
-    import torch.distributed as dist
+    import torch.distributed as torch_dist
 
-    if not d.backend or d.world < 2:
+    if not dist.backend or dist.world < 2:
         return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=BARRIER_S))
+    return torch_dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=BARRIER_S))
 
 
 def is_broken_collective(e: BaseException) -> bool:
     """Whether `e` is a collective that did not complete (torch's distributed errors, or
     gloo's runtime errors for a timeout or a peer that is gone)."""
-    import torch.distributed as dist
+    import torch.distributed as torch_dist
 
-    if isinstance(e, (dist.DistBackendError, dist.DistNetworkError)):
+    if isinstance(e, (torch_dist.DistBackendError, torch_dist.DistNetworkError)):
         return True
     return isinstance(e, RuntimeError) and any(s in str(e) for s in BROKEN)
 
 
-def missing_ranks(d, group) -> tuple[list[int] | None, str]:
+def missing_ranks(dist, group) -> tuple[list[int] | None, str]:
     """(the ranks that did not arrive, how that was found) by torch's monitored_barrier:
     rank 0 names them; another rank learns only that rank 0 did not answer; None when
     torch named no rank (a peer gone breaks the barrier before it can)."""
-    import torch.distributed as dist
+    import torch.distributed as torch_dist
 
     try:
-        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=BARRIER_S),
+        torch_dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=BARRIER_S),
                                wait_all_ranks=True)
         return [], "monitored_barrier"  # every rank arrived
     except RuntimeError as e:
-        return named_by_barrier(str(e), d.rank)
+        return named_by_barrier(str(e), dist.rank)
 
 
 def named_by_barrier(text: str, rank: int) -> tuple[list[int] | None, str]:
@@ -147,23 +147,23 @@ def fetch_stacks(beat: hb.Heartbeat, beats: dict[int, dict]) -> str:
     return "py-spy" if spy else "faulthandler"
 
 
-def diagnose(d, group, beat: hb.Heartbeat, err: BaseException) -> dict:
+def diagnose(dist, group, beat: hb.Heartbeat, err: BaseException) -> dict:
     """This rank's view of a broken collective (see the module's docstring), written to
     `hang-<rank>.json` in the attempt's folder; returned too."""
     beat.diagnosing = True
     detected = time.time()
-    beat.dump(f"== stack of rank {d.rank} (host {beat.host}, pid {beat.pid}) at step "
+    beat.dump(f"== stack of rank {dist.rank} (host {beat.host}, pid {beat.pid}) at step "
               f"{beat.step}, where its collective broke, by faulthandler:\n",
               "".join(traceback.format_exception(err)))
     beat.request()
-    missing, how = missing_ranks(d, group) if group is not None else (None, "no watch group")
-    beats, problems = hb.read_heartbeats(beat.folder, d.world)
-    ended = sorted(r for r, b in beats.items() if b["host"] == beat.host and r != d.rank
+    missing, how = missing_ranks(dist, group) if group is not None else (None, "no watch group")
+    beats, problems = hb.read_heartbeats(beat.folder, dist.world)
+    ended = sorted(r for r, b in beats.items() if b["host"] == beat.host and r != dist.rank
                    and not alive(b["pid"]))
     tool = fetch_stacks(beat, beats)
-    view = {"rank": d.rank, "world": d.world, "host": beat.host, "step": beat.step,
+    view = {"rank": dist.rank, "world": dist.world, "host": beat.host, "step": beat.step,
             "error": error_text(err), "missing": missing, "found_by": how, "ended": ended,
             "stacks": tool, "heartbeat_problems": problems, "detected_at": detected,
             "at": time.time()}
-    write_json_atomic(beat.folder / f"hang-{d.rank}.json", view)
+    write_json_atomic(beat.folder / f"hang-{dist.rank}.json", view)
     return view

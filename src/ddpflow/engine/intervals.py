@@ -74,13 +74,13 @@ class IntervalLogger:
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total
 
-    def write(self, s: TrainState, counters, dist, sched, scaler, flops_per_micro,
+    def write(self, state: TrainState, counters, dist, sched, scaler, flops_per_micro,
               train_t0: float) -> Interval:
         """The log line (every rank: a sync point and one collective); train_t0: the
         perf_counter() at which the stage's training time (earlier runs' too) began."""
         # sync point first: .item() waits for the interval's queued kernels, and only then is
         # the clock read (read before, samples/s and MFU would count unfinished work)
-        loss = float(counters.loss_sum.item()) / s.loss_count
+        loss = float(counters.loss_sum.item()) / state.loss_count
         first_bad, bad_input = counters.bad_steps()
         now = time.perf_counter()
         dt = now - self.t0
@@ -88,11 +88,11 @@ class IntervalLogger:
             dt / self.steps, self.wait / dt, first_bad,
             1.0 if stopflag.received() else 0.0, bad_input, self.compute.take() / self.steps])
         if self.beat:
-            self.beat.beat(s.step, now=True)
+            self.beat.beat(state.step, now=True)
         bad = [(int(r[2]), int(r[4])) for r in per_rank if r[2] >= 0]
         if not bad and self.log is not None:
             rec = self.log.write(self.record(
-                s, per_rank, dt, loss=loss, lr=sched.get_last_lr()[0],
+                state, per_rank, dt, loss=loss, lr=sched.get_last_lr()[0],
                 flops_per_micro=flops_per_micro, skipped=int(counters.skipped.item()),
                 grad_scale=scaler.get_scale() if scaler.is_enabled() else None,
                 time_s=now - train_t0))
@@ -103,13 +103,13 @@ class IntervalLogger:
             self.tell_stragglers(rec)
         if not bad:
             counters.loss_sum.zero_()
-            s.loss_count = 0
+            state.loss_count = 0
             self.warmup = False
             self.restart()
         return Interval(bad, loss, any(r[3] > 0 for r in per_rank),
                         max(r[0] for r in per_rank))
 
-    def record(self, s: TrainState, per_rank: list, dt: float, *, loss: float, lr: float,
+    def record(self, state: TrainState, per_rank: list, dt: float, *, loss: float, lr: float,
                flops_per_micro: float, grad_scale: float | None, skipped: int,
                time_s: float) -> dict:
         """One log interval of `self.steps` optimizer steps over dt seconds; per_rank: each
@@ -121,7 +121,7 @@ class IntervalLogger:
         flops_s = flops_per_micro * setup.accum * n * world / dt
         gpu = self.gpu.interval() if self.gpu else (None, None)
         return {
-            "kind": "train", "step": s.step, "epoch": s.epoch, "loss": loss, "lr": lr,
+            "kind": "train", "step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr,
             "samples_per_s": per_sample * world / dt,
             "samples_per_s_per_rank": [per_sample / (r[0] * n) for r in per_rank],
             "compute_samples_per_s": per_sample * world / max(dt - wait, 1e-9),

@@ -96,7 +96,7 @@ def probe(model: nn.Module, shape: tuple[int, ...], autocast, device: torch.devi
     return out
 
 
-def decide(setting, model: nn.Module, d: distributed.Dist, shape: tuple[int, ...], autocast,
+def decide(setting, model: nn.Module, dist: distributed.Dist, shape: tuple[int, ...], autocast,
            deterministic: bool, cache: Path, key: dict) -> tuple[bool, str]:
     """(channels_last on, why) for the stage's setting: true, false or auto. The same path
     on every device: no device type turns channels_last on without running the model."""
@@ -105,15 +105,15 @@ def decide(setting, model: nn.Module, d: distributed.Dist, shape: tuple[int, ...
     if not has_conv2d(model):
         return False, "auto: the model has no 2-D convolution"
     name = json.dumps({**key, "shape": list(shape), "threads": torch.get_num_threads(),
-                       "host": socket.gethostname(), "device": device_name(d.device),
+                       "host": socket.gethostname(), "device": device_name(dist.device),
                        "timed": not deterministic}, sort_keys=True)
     # rank 0 alone looks, probes and writes; every rank then takes its answer (one
     # collective on every rank, whatever another node's caches hold)
-    kept = _rank0_answer(name, (cache, user_cache()), model, shape, autocast, d.device,
-                         0 if deterministic else 3) if d.is_master else None
-    kept = distributed.broadcast_object(d, kept)
-    where = (f"on this CPU at batch {shape[0]}" if d.device.type != "cuda" else
-             f"on this GPU ({device_name(d.device)}) at batch {shape[0]}")
+    kept = _rank0_answer(name, (cache, user_cache()), model, shape, autocast, dist.device,
+                         0 if deterministic else 3) if dist.is_master else None
+    kept = distributed.broadcast_object(dist, kept)
+    where = (f"on this CPU at batch {shape[0]}" if dist.device.type != "cuda" else
+             f"on this GPU ({device_name(dist.device)}) at batch {shape[0]}")
     if not kept:
         return False, "auto: the model's output is not a tensor, so no probe; NCHW"
     if kept.get("channels_last_error"):
@@ -146,7 +146,7 @@ def _rank0_answer(name: str, caches: tuple[Path, Path], model, shape, autocast, 
     return kept
 
 
-def for_stage(setting, cfg, model: nn.Module, d, batch_size: int, in_ch: int | None,
+def for_stage(setting, cfg, model: nn.Module, dist, batch_size: int, in_ch: int | None,
               precision: str) -> tuple[bool, str]:
     """decide() for a training stage's plain `model` (setting: the stage's channels_last,
     true/false/"auto"): (on, why). The caller's data pipeline follows the answer. The probe
@@ -154,8 +154,8 @@ def for_stage(setting, cfg, model: nn.Module, d, batch_size: int, in_ch: int | N
     size = cfg.data.image_size
     if setting == "auto" and not in_ch:
         return False, "auto: the inputs are not images"
-    return decide(setting, model, d, (batch_size, in_ch, size, size),
-                  mixed_precision(precision, d.device)[1], cfg.deterministic,
+    return decide(setting, model, dist, (batch_size, in_ch, size, size),
+                  mixed_precision(precision, dist.device)[1], cfg.deterministic,
                   cfg.run_dir / "layout.json",
                   {"model": cfg.model.name, "kwargs": cfg.model.kwargs, "precision": precision})
 

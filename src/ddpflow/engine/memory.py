@@ -179,18 +179,18 @@ def trial_bytes(p, b: int, precision: str, channels_last: bool) -> int | None:
     """What one step of batch b needs on tune's plain model (`p`: tune.Probe) at this
     precision and layout, its input pipeline and what the wrapper adds included; None where
     it does not fit in the rank's budget."""
-    d = p.d
+    dist = p.dist
     idx = torch.randint(0, len(p.labels), (b,)).numpy()
     try:
-        norm = Normalize(p.meta["mean"], p.meta["std"], d.device, p.in_ch, channels_last)
+        norm = Normalize(p.meta["mean"], p.meta["std"], dist.device, p.in_ch, channels_last)
         # the training crop's size: memory is measured at what the model sees
-        x = center_crop(norm(torch.from_numpy(p.images[idx]).to(d.device)),
+        x = center_crop(norm(torch.from_numpy(p.images[idx]).to(dist.device)),
                         p.cfg.data.image_size)
-        y = torch.from_numpy(p.labels[idx]).to(d.device)
+        y = torch.from_numpy(p.labels[idx]).to(dist.device)
         model = p.base.to(memory_format=torch.channels_last if channels_last
                           else torch.contiguous_format)
         t0 = time.perf_counter()
-        need = (step_memory(model, x, y, AMP_DTYPE[precision], d.device) + p.extra
+        need = (step_memory(model, x, y, AMP_DTYPE[precision], dist.device) + p.extra
                 + input_bytes(b, p.meta["image_shape"], p.in_ch, p.cfg.data.image_size))
         p.last_step_s = time.perf_counter() - t0
         if need > p.budget:
@@ -201,7 +201,7 @@ def trial_bytes(p, b: int, precision: str, channels_last: bool) -> int | None:
             raise
         return None
     finally:
-        if d.device.type == "cuda":
+        if dist.device.type == "cuda":
             torch.cuda.empty_cache()
 
 
@@ -212,17 +212,17 @@ def input_bytes(b: int, stored_shape, channels: int, size: int) -> int:
     return b * (h * w * c + 2 * 4 * channels * size * size)
 
 
-def memory_budget(d, cap_mb: list[float] | None) -> int:
+def memory_budget(dist, cap_mb: list[float] | None) -> int:
     """This rank's memory: its --memory-cap-mb (on a GPU the allocator enforces it too, so
     the search meets real OOMs), else the device's free memory now."""
     if cap_mb:
-        cap = int(cap_mb[min(d.rank, len(cap_mb) - 1)] * 2**20)
-        if d.device.type == "cuda":
-            total = torch.cuda.get_device_properties(d.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), d.device)
+        cap = int(cap_mb[min(dist.rank, len(cap_mb) - 1)] * 2**20)
+        if dist.device.type == "cuda":
+            total = torch.cuda.get_device_properties(dist.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dist.device)
         return cap
-    if d.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(d.device)
+    if dist.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dist.device)
         return int(free)
     from ddpflow.data.loaders import _available_host_memory
 
@@ -230,7 +230,7 @@ def memory_budget(d, cap_mb: list[float] | None) -> int:
 
 
 
-def model_extra(base, blocks: list, d, strategy: str) -> int:
+def model_extra(base, blocks: list, dist, strategy: str) -> int:
     """Bytes a rank's step needs beyond the plain model's (weights, gradients, one optimizer
     state: what step_memory counts). DDP keeps a second copy of the gradients in
     its buckets; FSDP keeps 1/world of the three, and gathers a block's weights (and its
@@ -239,6 +239,6 @@ def model_extra(base, blocks: list, d, strategy: str) -> int:
         return sum(q.numel() * q.element_size() for q in m.parameters())
     if strategy == "fsdp":
         biggest = max(map(size, blocks)) if blocks else size(base)
-        return int(-3 * size(base) * (1 - 1 / d.world) + 2 * biggest)
-    return size(base) if d.backend else 0
+        return int(-3 * size(base) * (1 - 1 / dist.world) + 2 * biggest)
+    return size(base) if dist.backend else 0
 

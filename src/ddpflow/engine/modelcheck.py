@@ -21,7 +21,7 @@ SOURCE_SHAPES = {"cifar10": (10, 3), "cifar100": (100, 3), "mnist": (10, 1),
 
 def needs_model(cfg) -> bool:
     return bool(cfg.model.kwargs) or any(
-        st.strategy == "fsdp" or st.activation_checkpointing for st in cfg.stages)
+        stage.strategy == "fsdp" or stage.activation_checkpointing for stage in cfg.stages)
 
 
 def data_shape(cfg) -> tuple[int | None, int | None, bool]:

@@ -45,22 +45,22 @@ class Chosen:
     saved: dict | None  # rank 0: the checkpoint (a sharded one's state.pt); others: None
 
 
-def choose(files: StageFiles, d) -> Chosen | None:
+def choose(files: StageFiles, dist) -> Chosen | None:
     """The checkpoint to resume from, the same on every rank (rank 0 chooses and verifies
     it; a broadcast), or None. Whatever rank 0 meets, every rank hears of it (no hang)."""
     found, failed = None, None
-    if d.is_master:
+    if dist.is_master:
         try:
             found = checkpoint.latest_valid(files.ckpt_dir, files.resume_key)
         except Exception as e:  # noqa: BLE001 - told to every rank, below
             failed = f"{type(e).__name__}: {str(e)[:160]}"
     said = distributed.broadcast_object(
-        d, ("failed", failed) if failed else None if not found else
+        dist, ("failed", failed) if failed else None if not found else
         (str(found[0]), found[1]["step"], found[1].get("world", 0),
          found[1].get("accum", 0), found[1].get("batch_size", 0)))
     if said is None:
         return None
-    if said[0] != "failed" and said[2] and said[2] != d.world and (
+    if said[0] != "failed" and said[2] and said[2] != dist.world and (
             files.out / "summary.json").is_file():
         return None  # a finished stage run again on other ranks on purpose: a new run
     if said[0] == "failed":
@@ -96,7 +96,7 @@ def layout(chosen: Chosen | None, batch: int, accum: int, world: int, where: str
                     f"afresh")
 
 
-def restore(chosen: Chosen | None, files: StageFiles, d, parts, accum: int) -> dict | None:
+def restore(chosen: Chosen | None, files: StageFiles, dist, parts, accum: int) -> dict | None:
     """Load `chosen` into the bundle `parts` (checkpointer.Parts: the plain module, an FSDP
     one's shards, optimizer, scheduler, scaler, EMA) and, on as many ranks as wrote it, this
     rank's random streams.
@@ -107,9 +107,9 @@ def restore(chosen: Chosen | None, files: StageFiles, d, parts, accum: int) -> d
     if chosen is None:
         return None
     saved, problem = chosen.saved, None
-    if not d.is_master:
+    if not dist.is_master:
         saved, problem = _load_chosen(chosen.path, chosen.step, files.resume_key)
-    problems = [(r, p) for r, p in enumerate(distributed.gather_objects(d, problem)) if p]
+    problems = [(r, p) for r, p in enumerate(distributed.gather_objects(dist, problem)) if p]
     if problems:
         rank, problem = problems[0]
         raise UserError(f"rank {rank} cannot resume from {chosen.path.name}, the "
@@ -127,8 +127,8 @@ def restore(chosen: Chosen | None, files: StageFiles, d, parts, accum: int) -> d
     parts.scaler.load_state_dict(saved["scaler"])
     if parts.ema:
         parts.ema.load(saved["ema"], saved["ema_updates"])
-    if len(saved["rng"]) == d.world:  # other ranks: their streams start from the seed
-        distributed.set_rng_state(saved["rng"][d.rank], d.device)
+    if len(saved["rng"]) == dist.world:  # other ranks: their streams start from the seed
+        distributed.set_rng_state(saved["rng"][dist.rank], dist.device)
     if chosen.accum and chosen.accum != accum:  # the epoch's steps in this run's micro-batches
         saved = {**saved, "step_in_epoch": saved["step_in_epoch"] // chosen.accum * accum}
     return saved

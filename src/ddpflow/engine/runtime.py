@@ -37,16 +37,16 @@ def schedule(kind: str, warmup: int, total: int, floor: float = 0.0,
     return f
 
 
-def decay_boundaries(st, steps_per_epoch: int, total: int) -> tuple[int, ...]:
+def decay_boundaries(stage, steps_per_epoch: int, total: int) -> tuple[int, ...]:
     """The optimizer steps at which a step or multistep schedule multiplies the LR by
     lr_gamma: every lr_step_epochs epochs, or at each of lr_milestones (epochs)."""
-    if st.schedule == "step":
-        every = st.lr_step_epochs * steps_per_epoch
+    if stage.schedule == "step":
+        every = stage.lr_step_epochs * steps_per_epoch
         return tuple(range(every, total, every)) if every else ()
-    return tuple(m * steps_per_epoch for m in st.lr_milestones)
+    return tuple(m * steps_per_epoch for m in stage.lr_milestones)
 
 
-def build_optimizer(model: nn.Module, st, lr: float, device: torch.device):
+def build_optimizer(model: nn.Module, stage, lr: float, device: torch.device):
     """The stage's SGD or AdamW, weight decay on weights; norms and biases (1-D tensors)
     apart, at norm_weight_decay (null: none).
 
@@ -56,14 +56,14 @@ def build_optimizer(model: nn.Module, st, lr: float, device: torch.device):
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen ones stay out
     decay = [p for p in trained if p.ndim > 1]
     no_decay = [p for p in trained if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": st.weight_decay},
-              {"params": no_decay, "weight_decay": st.norm_weight_decay or 0.0}]
+    groups = [{"params": decay, "weight_decay": stage.weight_decay},
+              {"params": no_decay, "weight_decay": stage.norm_weight_decay or 0.0}]
     fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
-    if st.optimizer == "sgd" and any(hasattr(p, "placements") for p in trained):
+    if stage.optimizer == "sgd" and any(hasattr(p, "placements") for p in trained):
         fused = {"foreach": True}  # FSDP's sharded parameters: no fused SGD for DTensors
-    if st.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=st.momentum,
-                               nesterov=st.nesterov and st.momentum > 0, **fused)
+    if stage.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=stage.momentum,
+                               nesterov=stage.nesterov and stage.momentum > 0, **fused)
     return torch.optim.AdamW(groups, lr=lr, **fused)
 
 

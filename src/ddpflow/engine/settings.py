@@ -35,25 +35,25 @@ class StageSettings:
     tuned: dict | None  # tune.json's choice when it was used
 
 
-def resolve(cfg: Config, st: StageCfg, device: torch.device, say) -> StageSettings:
+def resolve(cfg: Config, stage: StageCfg, device: torch.device, say) -> StageSettings:
     """The stage's batch size, precision and layout: its own, or tune.json's for "auto"."""
-    where = f"stages.{cfg.stage_index(st.name)}"
-    tuned, mismatch = load_choice(cfg, st)
-    batch = st.batch_size
+    where = f"stages.{cfg.stage_index(stage.name)}"
+    tuned, mismatch = load_choice(cfg, stage)
+    batch = stage.batch_size
     if batch == "auto":
         if tuned is None:
             raise UserError(f"{where}.batch_size is auto but " + (
                 mismatch or f"there is no {tune_path(cfg)}; run `ddpflow tune` first"))
         batch = tuned["batch_size"]
-    if st.precision == "auto" and tuned:  # precision and layout were measured together
+    if stage.precision == "auto" and tuned:  # precision and layout were measured together
         precision, channels_last = tuned["precision"], tuned["channels_last"]
         # (strategy fsdp: tune measures it uncompiled)
-        compile_ = st.compile or (tuned["compile"] and st.strategy != "fsdp")
+        compile_ = stage.compile or (tuned["compile"] and stage.strategy != "fsdp")
     else:
-        precision, compile_ = pick_precision(st.precision, device), st.compile
-        channels_last = (tuned["channels_last"] if st.channels_last == "auto" and tuned
-                         else st.channels_last)  # measured for this stage's settings
-    check_precision(where, st.strategy, precision, auto=st.precision == "auto")
+        precision, compile_ = pick_precision(stage.precision, device), stage.compile
+        channels_last = (tuned["channels_last"] if stage.channels_last == "auto" and tuned
+                         else stage.channels_last)  # measured for this stage's settings
+    check_precision(where, stage.strategy, precision, auto=stage.precision == "auto")
     if mismatch:
         say(f"not using tune.json: {mismatch}")
     return StageSettings(batch, precision, channels_last, compile_, tuned)
@@ -108,7 +108,7 @@ def tune_path(cfg: Config) -> Path:
     return cfg.run_dir / "tune.json"
 
 
-def tune_settings(cfg: Config, st: StageCfg) -> dict:
+def tune_settings(cfg: Config, stage: StageCfg) -> dict:
     """What a measurement depends on besides the choices it makes: a stage with other
     settings must not take a tune.json measured for these."""
     from ddpflow.data.prepare import settings_fingerprint
@@ -118,10 +118,10 @@ def tune_settings(cfg: Config, st: StageCfg) -> dict:
             "data.augment": dataclasses.asdict(cfg.data.augment),
             "hardware": [hw.device, hw.nproc_per_node, hw.devices, hw.threads_per_rank,
                          hw.nodes],
-            "optimizer": st.optimizer, "strategy": st.strategy,
-            "activation_checkpointing": (list(st.activation_checkpointing) if isinstance(
-                st.activation_checkpointing, tuple) else st.activation_checkpointing),
-            "grad_accum_steps": st.grad_accum_steps}
+            "optimizer": stage.optimizer, "strategy": stage.strategy,
+            "activation_checkpointing": (list(stage.activation_checkpointing) if isinstance(
+                stage.activation_checkpointing, tuple) else stage.activation_checkpointing),
+            "grad_accum_steps": stage.grad_accum_steps}
 
 
 # tune.json as its readers use it (core/reading.py validates it before any field is used)
@@ -142,7 +142,7 @@ TUNE_SCHEMA = {
                        "compile": {"type": "boolean"}}}}}
 
 
-def load_choice(cfg: Config, st: StageCfg) -> tuple[dict | None, str | None]:
+def load_choice(cfg: Config, stage: StageCfg) -> tuple[dict | None, str | None]:
     """(tune.json's choice, None) when it was measured for this stage's settings;
     (None, why not) when it exists but was measured for others or is damaged (the reason
     names the file and field: the caller refuses when it needs the file, else warns);
@@ -154,7 +154,7 @@ def load_choice(cfg: Config, st: StageCfg) -> tuple[dict | None, str | None]:
         return None, str(e)
     if t is None:
         return None, None
-    want = tune_settings(cfg, st)
+    want = tune_settings(cfg, stage)
     got = t.get("settings") or {}
     differ = [k for k in want if got.get(k) != want[k]]
     if differ:

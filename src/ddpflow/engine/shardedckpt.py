@@ -26,7 +26,7 @@ import os
 import signal
 from pathlib import Path
 
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from ddpflow.core.checksum import sha256_of
 from ddpflow.core.errors import UserError
@@ -42,23 +42,23 @@ def state_dicts(model, opt) -> dict:
     return {"model": model_sd, "optimizer": opt_sd}
 
 
-def full_model(model, d) -> dict | None:
+def full_model(model, dist) -> dict | None:
     """The whole model's state dict on rank 0 (host memory), None elsewhere. A collective:
     every rank gathers each parameter's shards once."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                               cpu_offload=True))
-    return sd if d.is_master else None
+    return sd if dist.is_master else None
 
 
 class ShardedWriter:
     """One sharded checkpoint in flight at a time, every rank taking part."""
 
-    def __init__(self, d, folder: Path, keep_last: int, background: bool):
-        self.d, self.folder, self.keep_last = d, Path(folder), keep_last
+    def __init__(self, dist, folder: Path, keep_last: int, background: bool):
+        self.dist, self.folder, self.keep_last = dist, Path(folder), keep_last
         # the writer's own collectives (DCP's plan and metadata gathers) run in its thread
-        self.group = dist.new_group(backend="gloo") if d.backend else None
+        self.group = torch_dist.new_group(backend="gloo") if dist.backend else None
         self.writer = checkpoint.BackgroundWriter(background)
 
     def save(self, step: int, model, opt, state: dict | None) -> None:
@@ -71,26 +71,26 @@ class ShardedWriter:
         self.writer.wait()  # the previous checkpoint is complete (and its error raised)
         final = self.folder / f"ckpt-{step:09d}.dcp"
         tmp = self.folder / f".{final.name}.tmp"
-        if self.d.is_master:
+        if self.dist.is_master:
             checkpoint.empty_folder(tmp)  # (a killed write of this very step: gone)
         # buffers (BatchNorm's statistics) are not sharded and DCP saves one rank's copy:
         # rank 0's, as a DDP checkpoint and validation take them
-        distributed.broadcast_buffers(self.d, model)
+        distributed.broadcast_buffers(self.dist, model)
         shards = state_dicts(model, opt)
         # every rank's bytes to write and free space, gathered (also the barrier: the folder
         # is there, empty): all ranks refuse together, before DCP's writer could fail in C++
-        rooms = distributed.gather_objects(self.d, room(self.folder,
+        rooms = distributed.gather_objects(self.dist, room(self.folder,
                                                         checkpoint.state_bytes(shards)))
         try:
             check_room(rooms, self.folder)
         except UserError:
-            if self.d.is_master:
+            if self.dist.is_master:
                 checkpoint.remove(tmp)  # nothing of this checkpoint is left
             raise
         # blocks until the shards are copied to host memory; the files come in the thread
         future = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self.group,
                                 storage_writer=_faulty(tmp, step))
-        if self.d.is_master:
+        if self.dist.is_master:
             self.writer.submit(self._finish, future, tmp, final, state)
         else:
             self.writer.submit(self._shards, future, tmp)
@@ -102,7 +102,7 @@ class ShardedWriter:
         try:
             future.result()
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException
-            if self.d.is_master:
+            if self.dist.is_master:
                 checkpoint.remove(tmp)
             user = native_error(e, self.folder, WHAT)
             if user is None:

@@ -16,7 +16,7 @@ from ddpflow.results.summary import write_summary
 from ddpflow.results.wallclock import summary_block
 
 
-def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dict,
+def stage_summary(files: StageFiles, setup: StageSetup, state: TrainState, wall: dict,
                   end: StageEnd, final_sha: str | None) -> dict:
     """summary.json of a finished stage: results, efficiency means, what it ran on, and the
     record of what it was made from (wall: wallclock.summary_block of all its runs; end: how
@@ -25,18 +25,18 @@ def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dic
     records, problems = read_records(files.out / "metrics.jsonl")
     last_val = [r for r in records if r["kind"] == "val"][-1]
     final = {k: v for k, v in last_val.items() if k.startswith("val_")}
-    best = s.best.get("metrics", {})
+    best = state.best.get("metrics", {})
     summary = {
-        "stage": files.stage, "finished": True, "steps": s.step, "epochs": s.epoch,
+        "stage": files.stage, "finished": True, "steps": state.step, "epochs": state.epoch,
         "task": files.config["task"]["name"], "monitor": files.monitor,
         "monitor_mode": files.mode,
-        "final_metrics": final, "best_metrics": best, "best_value": s.best.get("value"),
+        "final_metrics": final, "best_metrics": best, "best_value": state.best.get("value"),
         "final_val_acc": final.get("val_acc"), "final_val_loss": final.get("val_loss"),
         "best_val_acc": best.get("val_acc"), "best_val_loss": best.get("val_loss"),
-        "best_step": s.best.get("step"),
+        "best_step": state.best.get("step"),
         # the test split, on the weights handed on, after selection: {} = no test split
         "test_metrics": end.test_metrics, **end.test_metrics,
-        **earlystop.summary(s.stop),  # early_stop (why, or None), target and time_to_target_s
+        **earlystop.summary(state.stop),  # early_stop (why, or None), target and time_to_target_s
         "weights": "ema" if setup.ema else "raw",  # what final.pt/best.pt's "model" holds
         "final_train_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
         # from the command to the result, all runs of the stage (the launcher adds its end)
@@ -79,10 +79,10 @@ def stage_summary(files: StageFiles, setup: StageSetup, s: TrainState, wall: dic
     return summary
 
 
-def wall_block(clock, s: TrainState, global_batch: int) -> dict:
+def wall_block(clock, state: TrainState, global_batch: int) -> dict:
     """The wall split of every run of the stage so far (summary.json "wall")."""
     clock.lap("teardown")
-    return summary_block(clock, s.wall_s, s.runs + 1, s.step * global_batch)
+    return summary_block(clock, state.wall_s, state.runs + 1, state.step * global_batch)
 
 
 def compiled_graphs() -> int:
@@ -120,26 +120,26 @@ def write_best(files: StageFiles, model: dict, best: dict, ema: dict | None = No
         "monitor": files.monitor, "value": best["value"], "record": files.record})
 
 
-def write_results(files: StageFiles, setup: StageSetup, s: TrainState, end: StageEnd, clock,
+def write_results(files: StageFiles, setup: StageSetup, state: TrainState, end: StageEnd, clock,
                   log, checkpointer, trackers, say) -> None:
     """Rank 0 at the stage's end: failed.json, or final.pt and summary.json (only for a
     finished stage), after the last background save (`checkpointer`); the metrics log closed, the
     trackers told how it ended."""
     if end.test_metrics:
-        log.write({"kind": "test", "step": s.step, "epoch": s.epoch,
+        log.write({"kind": "test", "step": state.step, "epoch": state.epoch,
                    "weights": "ema" if setup.ema else "raw", **end.test_metrics})
     log.close()
     finished = not end.diverged and not end.halted
-    final_sha = write_final(files, end.model, end.ema, s.step) if finished else None
+    final_sha = write_final(files, end.model, end.ema, state.step) if finished else None
     clock.lap("teardown")  # final.pt is written while the last checkpoint is
     checkpointer.wait()  # the last save is complete before the stage ends or stops
     clock.lap("checkpoint")
     if end.diverged:
-        write_failure(files, end.diverged, s.step)
+        write_failure(files, end.diverged, state.step)
         say(f"stopped: {end.diverged}")
     elif finished:
-        summary = stage_summary(files, setup, s, wall_block(clock, s, setup.global_batch), end,
-                                final_sha)
+        wall = wall_block(clock, state, setup.global_batch)
+        summary = stage_summary(files, setup, state, wall, end, final_sha)
         if trackers:
             trackers.stage_end(files.config, summary["final_metrics"],
                                [files.out / "summary.json", files.out / "metrics.jsonl"])

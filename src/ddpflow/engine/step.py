@@ -19,11 +19,11 @@ from ddpflow.seams.tasks import check_loss
 class StepCounters:
     """Device-side sums of the log interval in progress; restored exactly on resume."""
 
-    def __init__(self, s: TrainState, device):
-        self.loss_sum = torch.tensor(s.loss_sum, dtype=torch.float64, device=device)
-        self.step_dev = torch.tensor(s.step + 1, device=device)  # the step being computed
+    def __init__(self, state: TrainState, device):
+        self.loss_sum = torch.tensor(state.loss_sum, dtype=torch.float64, device=device)
+        self.step_dev = torch.tensor(state.step + 1, device=device)  # the step being computed
         self.first_bad = torch.tensor(-1, device=device)  # first step with a NaN/inf loss
-        self.skipped = torch.tensor(s.skipped_steps, device=device)  # fp16 skipped steps
+        self.skipped = torch.tensor(state.skipped_steps, device=device)  # fp16 skipped steps
         self.bad_input = torch.tensor(-1, device=device)  # first step whose inputs had NaN/inf
 
     def add_loss(self, loss: torch.Tensor, inputs=None) -> None:

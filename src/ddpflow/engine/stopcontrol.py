@@ -38,13 +38,13 @@ class StopPoll:
     def seen(self, step: int, step_time_s: float) -> None:
         self.next = step + max(1, int(self.every_s / max(step_time_s, 1e-9)))
 
-    def poll(self, d, step: int, t0: float, steps: int) -> bool:
+    def poll(self, dist, step: int, t0: float, steps: int) -> bool:
         """When due, a small collective (a sync point): has any rank been asked to stop?
         t0, steps: the log interval in progress (its start, its steps so far)."""
         if not self.due(step):
             return False
         per_rank = distributed.all_gather_floats(
-            d, [(time.perf_counter() - t0) / max(steps, 1),
+            dist, [(time.perf_counter() - t0) / max(steps, 1),
                 1.0 if stopflag.received() else 0.0])
         self.seen(step, max(r[0] for r in per_rank))
         return any(r[1] > 0 for r in per_rank)
@@ -83,13 +83,13 @@ class StopControl:
         then checkpointed (launch/halting.py refuses a halt at the stage's own end)."""
         return epoch == self.halt_after_epochs
 
-    def after_validation(self, s, metrics: dict, t_start: float, wall_t0: float, say) -> bool:
+    def after_validation(self, state, metrics: dict, t_start: float, wall_t0: float, say) -> bool:
         """Early stopping's record in TrainState.stop after a validation (the same decision
         on every rank: all see the same metrics); whether the stage stops here."""
-        s.stop = earlystop.after_validation(self.rule, s, metrics, t_start, wall_t0, say)
-        return self.stopped(s)
+        state.stop = earlystop.after_validation(self.rule, state, metrics, t_start, wall_t0, say)
+        return self.stopped(state)
 
     @staticmethod
-    def stopped(s) -> bool:
+    def stopped(state) -> bool:
         """Early stopping has decided (also in a checkpoint's TrainState)."""
-        return "stopped" in s.stop
+        return "stopped" in state.stop

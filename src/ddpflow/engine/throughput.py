@@ -28,49 +28,49 @@ def measure(p, batch: int, loader: str, workers: int, prefetch, precision: str,
             channels_last: bool, compile_: bool) -> dict:
     """samples/s of real training steps with these settings, and the share of time spent
     waiting for data (every rank; `p`: tune.Probe, the measurement's shared parts)."""
-    cfg, st, d, meta = p.cfg, p.st, p.d, p.meta
-    model = build_model(cfg.model, meta["num_classes"], p.in_ch).to(d.device)
+    cfg, stage, dist, meta = p.cfg, p.stage, p.dist, p.meta
+    model = build_model(cfg.model, meta["num_classes"], p.in_ch).to(dist.device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    model = wrap_as_trained(model, cfg, st, d, precision)
-    run_model = torch.compile(model) if compile_ and st.strategy != "fsdp" else model
+    model = wrap_as_trained(model, cfg, stage, dist, precision)
+    run_model = torch.compile(model) if compile_ and stage.strategy != "fsdp" else model
     steps = cfg.tune.steps + WARMUP_STEPS
-    _lr, opt, sched, scaler, autocast = optimizer_parts(model, st, batch * d.world, steps,
-                                                        steps, precision, d.device)
-    task = build_task(cfg, st, meta["num_classes"])
-    norm = Normalize(meta["mean"], meta["std"], d.device, p.in_ch, channels_last)
-    tb = TrainBatches(loader, p.images, p.labels, batch, d.device, d.world, d.rank, cfg.seed,
-                      cfg.data.augment, norm, workers, cfg.data.pin_memory, workers > 0,
+    _lr, opt, sched, scaler, autocast = optimizer_parts(model, stage, batch * dist.world, steps,
+                                                        steps, precision, dist.device)
+    task = build_task(cfg, stage, meta["num_classes"])
+    norm = Normalize(meta["mean"], meta["std"], dist.device, p.in_ch, channels_last)
+    tb = TrainBatches(loader, p.images, p.labels, batch, dist.device, dist.world, dist.rank,
+                      cfg.seed, cfg.data.augment, norm, workers, cfg.data.pin_memory, workers > 0,
                       prefetch, image_size=cfg.data.image_size,
                       resident=p.device_data() if loader == "device" else None)
-    batches, counters = forever(tb.epoch), StepCounters(TrainState(), d.device)
+    batches, counters = forever(tb.epoch), StepCounters(TrainState(), dist.device)
     wait, n = 0.0, 0
-    for i in tunebudget.step_indices(p.pace, cfg.tune.steps, d.device):  # cut to the budget
+    for i in tunebudget.step_indices(p.pace, cfg.tune.steps, dist.device):  # cut to the budget
         if i == WARMUP_STEPS:
-            if d.device.type == "cuda":
-                torch.cuda.synchronize(d.device)
+            if dist.device.type == "cuda":
+                torch.cuda.synchronize(dist.device)
             t0, wait, n = time.perf_counter(), 0.0, 0
         tw = time.perf_counter()
         b = next(batches)
         wait += time.perf_counter() - tw
         loss = micro_step(run_model, b, task, autocast, scaler, 1)
         counters.add_loss(loss)
-        update(model, opt, sched, scaler, st.grad_clip, counters)
+        update(model, opt, sched, scaler, stage.grad_clip, counters)
         n += len(b[1])
-    if d.device.type == "cuda":
-        torch.cuda.synchronize(d.device)  # sync point: the timed steps have really run
+    if dist.device.type == "cuda":
+        torch.cuda.synchronize(dist.device)  # sync point: the timed steps have really run
     dt = time.perf_counter() - t0
-    return {"samples_per_s": n / dt * d.world, "data_wait_fraction": wait / dt}
+    return {"samples_per_s": n / dt * dist.world, "data_wait_fraction": wait / dt}
 
 
-def wrap_as_trained(model, cfg, st, d, precision: str):
+def wrap_as_trained(model, cfg, stage, dist, precision: str):
     """The model as the trainer runs it: its checkpointed blocks, then FSDP or DDP."""
-    checkpointed, blocks = model_blocks(cfg, st, model)
+    checkpointed, blocks = model_blocks(cfg, stage, model)
     sharding.checkpoint_blocks(checkpointed)
-    if st.strategy == "fsdp":
-        sharding.shard(model, blocks, precision, st.reshard_after_forward)
+    if stage.strategy == "fsdp":
+        sharding.shard(model, blocks, precision, stage.reshard_after_forward)
         return model
-    return distributed.wrap_ddp(model, d)
+    return distributed.wrap_ddp(model, dist)
 
 
 def release(device: torch.device) -> None:

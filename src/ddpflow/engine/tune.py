@@ -36,7 +36,7 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 from torch import nn
 
 from ddpflow.config import Config
@@ -75,24 +75,24 @@ class TuneStopped(Exception):
 
 
 class Pace:
-    def __init__(self, d, budget_s: float, climb_by_throughput: bool):
-        self.d, self.budget_s, self.climb = d, budget_s, climb_by_throughput
+    def __init__(self, dist, budget_s: float, climb_by_throughput: bool):
+        self.dist, self.budget_s, self.climb = dist, budget_s, climb_by_throughput
         self.t0 = time.monotonic()
         self.best_rate: dict[int, float] = {}  # batch -> samples/s of its memory trial
         self.skipped: list[str] = []
         self.checks = 0  # candidates this rank checked in with (check)
 
     def say(self, msg: str) -> None:
-        if self.d.is_master:
+        if self.dist.is_master:
             print(f"[tune {time.monotonic() - self.t0:6.1f} s] {msg}", file=sys.stderr,
                   flush=True)
 
     def _agreed(self, go_on: bool) -> bool:
         """Whether every rank goes on (one small collective: a sync point)."""
-        if not self.d.backend:
+        if not self.dist.backend:
             return go_on
-        t = torch.tensor([int(go_on)], dtype=torch.int64, device=self.d.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        t = torch.tensor([int(go_on)], dtype=torch.int64, device=self.dist.device)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MIN)
         return bool(t.item())
 
     def check(self, what: str = "the batch search's next batch") -> bool:
@@ -100,7 +100,7 @@ class Pace:
         to every rank); False once the budget is spent (the candidate is skipped)."""
         self.checks += 1
         if not self._agreed(stopflag.received() is None):
-            said = distributed.gather_objects(self.d, (stopflag.received(), self.checks, what))
+            said = distributed.gather_objects(self.dist, (stopflag.received(), self.checks, what))
             raise TuneStopped(next((s for s, _, _ in said if s), "a stop signal"),
                               [[n, w] for _, n, w in said])
         return self._agreed(time.monotonic() - self.t0 < self.budget_s)
@@ -145,8 +145,8 @@ def pick_precision_row(rows: list[dict]) -> dict:
 class Probe:
     """What every measurement of one `ddpflow tune` rank shares."""
     cfg: Config
-    st: StageCfg
-    d: distributed.Dist
+    stage: StageCfg
+    dist: distributed.Dist
     meta: dict
     images: object  # the prepared training split (memmap)
     labels: object
@@ -162,10 +162,10 @@ class Probe:
     @property
     def layout(self) -> bool:
         """channels_last for the batch and loader phases (auto: as a GPU would train)."""
-        cl = self.st.channels_last
-        if self.st.strategy == "fsdp":  # FSDP2 shards contiguous parameters only
+        cl = self.stage.channels_last
+        if self.stage.strategy == "fsdp":  # FSDP2 shards contiguous parameters only
             return False
-        return cl if isinstance(cl, bool) else self.d.device.type == "cuda"
+        return cl if isinstance(cl, bool) else self.dist.device.type == "cuda"
 
     def step_bytes(self, b: int, precision: str, channels_last: bool) -> int | None:
         """Memory of one step of batch b on the plain model (memory.trial_bytes), or None
@@ -173,15 +173,15 @@ class Probe:
         return memory.trial_bytes(self, b, precision, channels_last)
 
     def fits_everywhere(self, need: int | None) -> bool:
-        return bool(distributed.all_min(self.d, int(need is not None)))  # every rank must fit
+        return bool(distributed.all_min(self.dist, int(need is not None)))  # every rank must fit
 
     def device_data(self) -> tuple:
         """The training split on the device, uploaded (decoded once per node) at the first
         candidate that wants it; every later one indexes the same tensors."""
         if self.resident is None:
             bad = BadSamples("train", len(self.labels), self.cfg.data.max_bad_fraction,
-                             self.d.rank)
-            self.resident = resident_split(self.images, self.labels, self.d.device, bad)
+                             self.dist.rank)
+            self.resident = resident_split(self.images, self.labels, self.dist.device, bad)
             self.uploads += 1
         return self.resident
 
@@ -204,16 +204,16 @@ def search_batch(p: Probe, precision: str) -> dict:
                    + ("fits on every rank" if ok else "does not fit"))
         return ok
 
-    d, tc = p.d, p.cfg.tune
+    dist, tc = p.dist, p.cfg.tune
     # never a batch larger than a rank's share of the data: such an epoch has no batches
-    limit = min(tc.max_batch, len(p.labels) // d.world)
+    limit = min(tc.max_batch, len(p.labels) // dist.world)
     if limit < 1:
         raise UserError(f"the training split ({len(p.labels)} samples) is smaller than the "
-                        f"{d.world} rank(s) that would share it")
+                        f"{dist.world} rank(s) that would share it")
     own_max, trials = memory.find_max_batch(
         fits, min(tc.start_batch, limit), limit,
         climb=lambda b: p.pace.keeps_climbing(b, p.last_step_s))
-    agreed = distributed.all_min(d, own_max)
+    agreed = distributed.all_min(dist, own_max)
     if agreed < 1:
         raise UserError("not even a batch of 1 fits in device memory; choose a smaller "
                         "model or image size")
@@ -228,7 +228,7 @@ def _measured(p: Probe, what: str, *args) -> dict | None:
     try:
         row = p.measure(*args)
     finally:
-        throughput.release(p.d.device)  # its model, optimizer, batches, cached blocks
+        throughput.release(p.dist.device)  # its model, optimizer, batches, cached blocks
     p.pace.say(f"{what}: {row['samples_per_s']:.0f} samples/s, data wait "
                f"{row['data_wait_fraction']:.0%}")
     return row
@@ -238,7 +238,7 @@ def choose(p: Probe, agreed: int, precision: str, device_ok: bool) -> tuple:
     """Phases 1b-3: the fastest batch up to the agreed maximum, then loader, then precision
     and layout; each choice rank 0's (broadcast). What the budget left unmeasured is
     skipped: then the largest fitting batch, the default loader and the stage's precision."""
-    cfg, d = p.cfg, p.d
+    cfg, dist = p.cfg, p.dist
     candidates = sorted({b for b in (2 ** k for k in range(20)) if agreed // 8 <= b <= agreed}
                         | {agreed})
     default = ("device" if device_ok else "dataloader", cfg.data.num_workers,
@@ -246,21 +246,21 @@ def choose(p: Probe, agreed: int, precision: str, device_ok: bool) -> tuple:
     batch_rows = [{"batch_size": b, **row} for b in candidates if (row := _measured(
         p, f"batch {b}", b, *default, precision, p.layout, False))]
     # rank 0's choice for every rank: each measured its own throughput
-    batch = distributed.broadcast_object(d, max(
+    batch = distributed.broadcast_object(dist, max(
         batch_rows, key=lambda r: r["samples_per_s"])["batch_size"] if batch_rows else agreed)
-    cores = max(1, len(os.sched_getaffinity(0)) // d.world)
+    cores = max(1, len(os.sched_getaffinity(0)) // dist.world)
     loader_opts = ([("device", 0, 2)] if device_ok else []) + [
         ("dataloader", w, f) for w in sorted({0, 2, cores}) for f in ((2, 4) if w else (2,))]
     loader_rows = [{"loader": k, "num_workers": w, "prefetch_factor": f, **row}
                    for k, w, f in loader_opts if (row := _measured(
                        p, f"batch {batch}, {k} loader, {w} workers, prefetch {f}", batch, k, w,
                        f, precision, p.layout, False))]
-    best_loader = distributed.broadcast_object(d, max(
+    best_loader = distributed.broadcast_object(dist, max(
         loader_rows, key=lambda r: r["samples_per_s"]) if loader_rows else dict(
         zip(("loader", "num_workers", "prefetch_factor"), default)))
     prec_rows = _precisions(p, batch, best_loader)
     measured = [r for r in prec_rows if r["fits"] and "samples_per_s" in r]
-    best_prec = distributed.broadcast_object(d, pick_precision_row(measured) if measured else {
+    best_prec = distributed.broadcast_object(dist, pick_precision_row(measured) if measured else {
         "precision": precision, "channels_last": p.layout, "compile": False})
     choice = {"batch_size": batch, "loader": best_loader["loader"],
               "num_workers": best_loader["num_workers"],
@@ -279,9 +279,9 @@ def _precisions(p: Probe, batch: int, loader: dict) -> list[dict]:
     and never run under DDP (an OOM there kills the rank, and torchrun restarts it into
     the same OOM)."""
     # fsdp: no fp16 (stagechecks.py) and no channels_last (FSDP2's parameters are contiguous)
-    fsdp = p.st.strategy == "fsdp"
+    fsdp = p.stage.strategy == "fsdp"
     precisions = ["fp32", "bf16"] + ([] if fsdp else ["fp16"])
-    if p.d.device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if p.dist.device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         precisions.remove("bf16")
     rows = []
     for prec in precisions:
@@ -302,30 +302,30 @@ def _precisions(p: Probe, batch: int, loader: dict) -> list[dict]:
 
 def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict | None:
     """One rank's tuning; the result (also in tune.json), or None when stopped."""
-    st: StageCfg = cfg.stage(stage_name)
+    stage: StageCfg = cfg.stage(stage_name)
     tc = cfg.tune
-    d = distributed.setup(cfg.hardware, "always" if st.strategy == "fsdp" else True)
-    distributed.seed_everything(cfg.seed, d.rank, deterministic=False)
-    settings.set_backend_flags(d.device, "fp32")  # fp32 is measured as training runs it
+    dist = distributed.setup(cfg.hardware, "always" if stage.strategy == "fsdp" else True)
+    distributed.seed_everything(cfg.seed, dist.rank, deterministic=False)
+    settings.set_backend_flags(dist.device, "fp32")  # fp32 is measured as training runs it
     meta, arrays = prepared.load(cfg.data_dir)
     images, labels = arrays["train"]
     in_ch = input_channels(cfg.model.name, meta["image_shape"][2])
-    precision = settings.pick_precision(st.precision, d.device)
-    base = build_model(cfg.model, meta["num_classes"], in_ch, probe(cfg, meta)).to(d.device)
-    checkpointed, blocks = model_blocks(cfg, st, base)
+    precision = settings.pick_precision(stage.precision, dist.device)
+    base = build_model(cfg.model, meta["num_classes"], in_ch, probe(cfg, meta)).to(dist.device)
+    checkpointed, blocks = model_blocks(cfg, stage, base)
     sharding.checkpoint_blocks(checkpointed)  # the memory trials keep what training keeps
-    free = memory.memory_budget(d, cap_mb)
+    free = memory.memory_budget(dist, cap_mb)
     # the device loader only where training would allow it; then the dataset (train and
     # val, as it keeps them) is on the device, and the steps get what is left
     nbytes = sum(a.nbytes for split in ("train", "val") for a in arrays[split])
-    kind, loader_reason = choose_loader(cfg.data.loader, nbytes, d.device,
+    kind, loader_reason = choose_loader(cfg.data.loader, nbytes, dist.device,
                                         cfg.data.device_memory_fraction, free=free)
-    device_ok = bool(distributed.all_min(d, int(kind == "device")))
+    device_ok = bool(distributed.all_min(dist, int(kind == "device")))
     budget = int((free - (nbytes if device_ok else 0)) * (1 - tc.memory_margin))
-    ddp_extra = memory.model_extra(base, blocks, d, st.strategy)
+    ddp_extra = memory.model_extra(base, blocks, dist, stage.strategy)
     # on a CPU without a cap nothing runs out of memory: throughput ends the climb instead
-    pace = Pace(d, tc.budget_s, climb_by_throughput=d.device.type == "cpu" and not cap_mb)
-    p = Probe(cfg, st, d, meta, images, labels, in_ch, base, budget, ddp_extra, pace)
+    pace = Pace(dist, tc.budget_s, climb_by_throughput=dist.device.type == "cpu" and not cap_mb)
+    p = Probe(cfg, stage, dist, meta, images, labels, in_ch, base, budget, ddp_extra, pace)
 
     try:
         search = search_batch(p, precision)
@@ -335,19 +335,19 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
     except TuneStopped as e:  # every rank at the same candidate: nothing is written
         pace.say(f"{e.signal} received: stopping before {e.at[0][1]}; tune.json is not "
                  f"written")
-        if d.is_master:  # for the launcher, also when a rank alone was signalled
+        if dist.is_master:  # for the launcher, also when a rank alone was signalled
             write_json_atomic(cfg.run_dir / "tune" / STOPPED, {"signal": e.signal,
                                                                 "at_per_rank": e.at})
-        distributed.teardown(d)
+        distributed.teardown(dist)
         return None
-    gathered = distributed.gather_objects(d, {"rank": d.rank, "max_batch": search["own_max"],
+    gathered = distributed.gather_objects(dist, {"rank": dist.rank, "max_batch": search["own_max"],
                                               "trials": search["trials"],
                                               "own_trials": search["own"],
                                               "memory_bytes": search["memory"],
                                               "budget_bytes": budget, "free_bytes": free})
     result = {
-        "stage": st.name, "world_size": d.world, "device": d.device.type,
-        "device_name": torch.cuda.get_device_name(d.device) if d.device.type == "cuda"
+        "stage": stage.name, "world_size": dist.world, "device": dist.device.type,
+        "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda"
         else "cpu", "memory_margin": tc.memory_margin, "memory_cap_mb": cap_mb,
         "device_loader": {"allowed": device_ok, "dataset_bytes": nbytes,
                           "reason": loader_reason, "uploads": p.uploads},
@@ -355,12 +355,12 @@ def run(cfg: Config, stage_name: str, cap_mb: list[float] | None = None) -> dict
                          "candidates": batch_rows},
         "loader": loader_rows, "precision": prec_rows, "choice": choice,
         "skipped": pace.skipped, "seconds": round(time.monotonic() - pace.t0, 1),
-        "config_hash": cfg.hash, "settings": settings.tune_settings(cfg, st),
+        "config_hash": cfg.hash, "settings": settings.tune_settings(cfg, stage),
     }
     # rank 0's measurements in the file, so that every rank records the same answer
-    result = distributed.broadcast_object(d, result)
-    if d.is_master:
+    result = distributed.broadcast_object(dist, result)
+    if dist.is_master:
         write_json_atomic(settings.tune_path(cfg), result)
-    distributed.teardown(d)
+    distributed.teardown(dist)
     return result
 

@@ -72,7 +72,7 @@ def step_indices(pace, steps: int, device: torch.device):
     step_s = _now(device) - t1  # the second warm-up step: compiled, allocated, steady
     left = pace.t0 + pace.budget_s - clock()
     fit = steps if step_s <= 0 else int(min(steps, max(1.0, left // step_s)))
-    n = all_min(pace.d, fit)
+    n = all_min(pace.dist, fit)
     if n < steps:
         what = _state(pace).what or "candidate"
         pace.skipped.append(f"{what} (cut to {n} of {steps} timed steps)")

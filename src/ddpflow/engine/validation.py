@@ -17,13 +17,13 @@ from ddpflow.seams.tasks import improves, metric_pairs
 VAL_BATCH_FACTOR = 4
 
 
-def best_after(metrics: dict, s, monitor: str, mode: str, task_name: str) -> dict | None:
+def best_after(metrics: dict, state, monitor: str, mode: str, task_name: str) -> dict | None:
     """TrainState.best after a validation (`s`: TrainState) when the monitored metric
     improved on it, else None."""
-    if not improves(metrics, monitor, mode, s.best.get("value"), task_name):
+    if not improves(metrics, monitor, mode, state.best.get("value"), task_name):
         return None
-    return {"monitor": monitor, "mode": mode, "value": metrics[monitor], "step": s.step,
-            "epoch": s.epoch, "metrics": metrics}
+    return {"monitor": monitor, "mode": mode, "value": metrics[monitor], "step": state.step,
+            "epoch": state.epoch, "metrics": metrics}
 
 
 class Validator:
@@ -31,9 +31,9 @@ class Validator:
     per rank (`batch`), which starts at VAL_BATCH_FACTOR x the training batch and is halved
     for good after a GPU OOM, never below the training batch."""
 
-    def __init__(self, d, task, task_name: str, autocast, train_batch: int, say,
+    def __init__(self, dist, task, task_name: str, autocast, train_batch: int, say,
                  lockstep: bool = False):
-        self.d, self.task, self.task_name, self.autocast = d, task, task_name, autocast
+        self.dist, self.task, self.task_name, self.autocast = dist, task, task_name, autocast
         self.train_batch, self.batch, self.say = train_batch, VAL_BATCH_FACTOR * train_batch, say
         # FSDP: every forward gathers parameters, a collective all ranks join: they step
         # through a split together, at the training batch (it fits: no retry)
@@ -45,11 +45,11 @@ class Validator:
         """The metrics of the weights the stage hands on, as val_<metric> (the EMA's when
         `ema` is on, then the trained ones' as val_raw_<metric>). `model`: the plain module."""
         net = model.eval()  # plain module: ranks see different counts
-        distributed.broadcast_buffers(self.d, net)  # every rank validates with rank 0's BN stats
+        distributed.broadcast_buffers(self.dist, net)  # every rank validates with rank 0's BN stats
         metrics = self.metrics(net, split)
         if ema:
             raw = metrics
-            distributed.broadcast_buffers(self.d, ema.module)  # rank 0's, as saved
+            distributed.broadcast_buffers(self.dist, ema.module)  # rank 0's, as saved
             metrics = self.metrics(ema.module.eval(), split)
             metrics.update({f"val_raw_{k[4:]}": v for k, v in raw.items()})
         return metrics
@@ -58,7 +58,7 @@ class Validator:
         """The test split, once, on the weights the stage hands on (the EMA's when on), as
         test_<metric>. Nothing selects on it: it runs after the last validation and save."""
         net = ema.module if ema else model
-        distributed.broadcast_buffers(self.d, net)
+        distributed.broadcast_buffers(self.dist, net)
         metrics = self.metrics(net.eval(), split)
         return {f"test_{k[4:]}": v for k, v in metrics.items()}
 
@@ -68,9 +68,10 @@ class Validator:
         while True:
             sums = self._sums(net, split)
             # sync point: one rank out of memory means every rank starts again, smaller
-            if not any(r[0] for r in distributed.all_gather_floats(self.d, [float(sums is None)])):
-                values = sums.reduce(self.d)  # one gather of names, one all-reduce: a sync point
-                check_finite(values, sums.totals, self.task_name, net, self.d)
+            oom = distributed.all_gather_floats(self.dist, [float(sums is None)])
+            if not any(r[0] for r in oom):
+                values = sums.reduce(self.dist)  # one gather of names, one all-reduce: a sync point
+                check_finite(values, sums.totals, self.task_name, net, self.dist)
                 return values
             self.batch = max(self.train_batch, self.batch // 2)
             torch.cuda.empty_cache()
@@ -79,7 +80,7 @@ class Validator:
     def _sums(self, net, split) -> MetricSums | None:
         """This rank's metric sums, or None when its GPU ran out of memory (and the batch can
         still shrink)."""
-        sums = MetricSums(self.task, self.task_name, self.d.device)
+        sums = MetricSums(self.task, self.task_name, self.dist.device)
         try:
             with torch.no_grad(), self.autocast:
                 batches = split(self.batch)
@@ -98,7 +99,7 @@ class Validator:
         it = iter(batches)
         while True:
             batch = next(it, None)
-            if not distributed.all_min(self.d, int(batch is not None), "MAX"):
+            if not distributed.all_min(self.dist, int(batch is not None), "MAX"):
                 return
             if batch is not None:
                 last = batch
@@ -106,8 +107,8 @@ class Validator:
             elif last is not None:
                 forward(net, last[0])
             else:
-                raise UserError(f"rank {self.d.rank} has no validation sample: the split has "
-                                f"fewer samples than the {self.d.world} ranks; make it larger")
+                raise UserError(f"rank {self.dist.rank} has no validation sample: the split has "
+                                f"fewer samples than the {self.dist.world} ranks; make it larger")
 
 
 class MetricSums:
@@ -130,13 +131,13 @@ class MetricSums:
             for i, v in enumerate(pair):
                 held[i] = held[i] + (v.double() if isinstance(v, torch.Tensor) else v)
 
-    def reduce(self, d) -> dict:
+    def reduce(self, dist) -> dict:
         """{"val_<name>": sum / count} over every rank (a vector metric: a list, None where
         its count is 0), and what the task's `summarize` makes of them."""
         # ranks agree on the names (and vector lengths) first: a rank without validation
         # batches has none
         sizes: dict = {}
-        for every in distributed.gather_objects(d, {k: _size(p) for k, p in self.sums.items()}):
+        for every in distributed.gather_objects(dist, {k: _size(p) for k, p in self.sums.items()}):
             sizes.update(every)
         names = sorted(sizes)
         # the host's numbers and the device's tensors in one [rows, 2] tensor: one all-reduce
@@ -149,7 +150,7 @@ class MetricSums:
                 rows[:, i] += (v.to(self.device).reshape(-1) if isinstance(v, torch.Tensor)
                                else float(v))
             row += sizes[k] or 1
-        totals, row, out = distributed.all_sum(d, table).tolist(), 0, {}
+        totals, row, out = distributed.all_sum(dist, table).tolist(), 0, {}
         self.totals = {}  # val_<name> -> (sum, count) of each scalar metric (check_finite)
         for k in names:
             part = totals[row:row + (sizes[k] or 1)]
@@ -182,7 +183,7 @@ def metrics_text(metrics: dict) -> str:
     return ", ".join(one(k, v) for k, v in metrics.items())
 
 
-def check_finite(values: dict, totals: dict, task_name: str, net, d) -> None:
+def check_finite(values: dict, totals: dict, task_name: str, net, dist) -> None:
     """A metric that is NaN or inf while the weights are finite is named (one UserError, the
     same on every rank): a count of 0 over the whole split, or NaN/inf in what the task's
     metrics add up. Weights that are not finite are the divergence check's (step.py)."""
@@ -191,7 +192,7 @@ def check_finite(values: dict, totals: dict, task_name: str, net, d) -> None:
         return
     finite = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
                  for p in net.parameters())
-    if not distributed.all_min(d, int(finite)):
+    if not distributed.all_min(dist, int(finite)):
         return
     k = bad[0]
     total, count = totals[k]

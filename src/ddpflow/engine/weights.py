@@ -178,12 +178,12 @@ def check_init_from(model: nn.Module | None, src: Path, setting: str) -> None:
         checkpoint.check_fits(model, sd, f"{setting} {src}")
 
 
-def start_weights(cfg, st, model: nn.Module, src: Path | None, say) -> dict | None:
+def start_weights(cfg, stage, model: nn.Module, src: Path | None, say) -> dict | None:
     """Load the stage's starting weights into `model` and freeze what the stage freezes.
     Returns what happened, for the log and summary.json."""
-    i = cfg.stage_index(st.name)
+    i = cfg.stage_index(stage.name)
     report = None
-    if src is not None and st.init_from:
+    if src is not None and stage.init_from:
         from ddpflow.engine import checkpoint
 
         setting = f"stages.{i}.init_from"
@@ -201,8 +201,8 @@ def start_weights(cfg, st, model: nn.Module, src: Path | None, say) -> dict | No
             f"not used, {len(report['reinitialised'])} re-initialised"
             + (f" ({shown})" if shown else "")
             + (" (model.weights_partial)" if report.get("partial") else ""))
-    prefixes = st.freeze if st.freeze is not None else cfg.model.freeze
-    setting = f"stages.{i}.freeze" if st.freeze is not None else "model.freeze"
+    prefixes = stage.freeze if stage.freeze is not None else cfg.model.freeze
+    setting = f"stages.{i}.freeze" if stage.freeze is not None else "model.freeze"
     frozen = freeze(model, prefixes, setting)
     if frozen:
         say(f"{frozen} parameter tensors frozen ({', '.join(prefixes)})")

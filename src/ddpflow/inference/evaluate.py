@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from ddpflow.config import Config
 from ddpflow.core import reading, writing
@@ -142,16 +142,16 @@ def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: 
               out: Path) -> None:
     """One rank: its share of the images through the model, scored on its device; the
     ranks' tallies summed on rank 0."""
-    d = distributed.setup(cfg.hardware)
+    dist = distributed.setup(cfg.hardware)
     meta, arrays = prepared.load(cfg.data_dir)
     model, record = stage_model(cfg, meta, stage, weights)
-    model.to(d.device)
+    model.to(dist.device)
     pre = preprocess(meta["mean"], meta["std"], cfg.data.image_size,
-                     input_channels(cfg.model.name, meta["image_shape"][2]), d.device,
+                     input_channels(cfg.model.name, meta["image_shape"][2]), dist.device,
                      crops.eval_sizes(cfg.data))
     if images:
         files, labels = _labelled_folder(images, meta["classes"])
-        mine = share(len(files), d.rank, d.world).tolist()
+        mine = share(len(files), dist.rank, dist.world).tolist()
         x, kept, bad = decode([files[i] for i in mine], cfg.data.store_size, cfg.data.grayscale)
         skipped = [(files[mine[i]], why) for i, why in bad.items()]
         idx = np.array([mine[i] for i in kept], dtype=np.int64)
@@ -161,19 +161,19 @@ def rank_main(cfg: Config, stage: str, split: str, images: str | None, weights: 
             return x[a:b]
     else:
         x_all, y_all = arrays[split]
-        idx = share(len(y_all), d.rank, d.world)
+        idx = share(len(y_all), dist.rank, dist.world)
         y, skipped, n = y_all[idx], [], len(y_all)
 
         def rows(a, b):  # read (JPEG shards: decode) one batch at a time
             return x_all[idx[a:b]]
-    tally = run_share(model, pre, rows, y, meta["num_classes"], d.device)
-    total = combine(d, tally, idx, skipped)  # rank 0 only: the sum of every rank's
+    tally = run_share(model, pre, rows, y, meta["num_classes"], dist.device)
+    total = combine(dist, tally, idx, skipped)  # rank 0 only: the sum of every rank's
     if total is not None:
         tally, every, skipped = total
         each_once(every, n, len(skipped))
         _write(cfg, meta, tally.scores(), skipped, out, {
-            "stage": stage, "split": images or split, "weights": record, "world_size": d.world})
-    distributed.teardown(d)
+            "stage": stage, "split": images or split, "weights": record, "world_size": dist.world})
+    distributed.teardown(dist)
 
 
 def run_share(model, pre, rows, labels, num_classes: int, device, batch: int = BATCH) -> Tally:
@@ -192,18 +192,18 @@ def run_share(model, pre, rows, labels, num_classes: int, device, batch: int = B
     return tally
 
 
-def combine(d, tally: Tally, idx: np.ndarray, skipped: list):
+def combine(dist, tally: Tally, idx: np.ndarray, skipped: list):
     """On rank 0: (every rank's tally summed, every rank's image numbers, every skipped
     (file, reason)); None on the others. The tallies are reduced on the device (confusion
     matrix and sums); only image numbers and skipped files travel as objects, to rank 0
     alone: no rank receives another's outputs (collectives, sync points)."""
-    if not d.backend:
+    if not dist.backend:
         return tally, np.asarray(idx), skipped
-    dist.reduce(tally.confusion, dst=0)
-    dist.reduce(tally.sums, dst=0)
-    held = [None] * d.world if d.is_master else None
-    dist.gather_object((np.asarray(idx), skipped), held, dst=0)
-    if not d.is_master:
+    torch_dist.reduce(tally.confusion, dst=0)
+    torch_dist.reduce(tally.sums, dst=0)
+    held = [None] * dist.world if dist.is_master else None
+    torch_dist.gather_object((np.asarray(idx), skipped), held, dst=0)
+    if not dist.is_master:
         return None
     return tally, np.concatenate([h[0] for h in held]), [s for h in held for s in h[1]]
 

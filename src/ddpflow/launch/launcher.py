@@ -157,23 +157,23 @@ def preflight(cfg: Config, stage: str, world: int = 1) -> None:
         weights.check_init_from(model, Path(st.init_from), f"stages.{i}.init_from")
 
 
-def _check_seams(cfg: Config, st, meta: dict, model) -> None:
+def _check_seams(cfg: Config, stage, meta: dict, model) -> None:
     """The task builds, model.weights fit the model and the freeze prefixes name
     parameters: each mistake is one message here instead of one per rank."""
     from ddpflow.engine.weights import freeze, load_pretrained, pretrained_file, read_state_dict
     from ddpflow.seams.tasks import build_task, monitor
 
-    monitor(cfg, build_task(cfg, st, meta.get("num_classes")))
+    monitor(cfg, build_task(cfg, stage, meta.get("num_classes")))
     if model is None:
         return
-    if not st.init_from and cfg.model.weights:
+    if not stage.init_from and cfg.model.weights:
         src = pretrained_file(cfg)
         sd = read_state_dict(src, "model.weights")
         load_pretrained(_ShapesOnly(model), sd, f"model.weights {src}",
                         cfg.model.weights_partial)
-    prefixes = st.freeze if st.freeze is not None else cfg.model.freeze
-    freeze(model, prefixes, f"stages.{cfg.stage_index(st.name)}.freeze"
-           if st.freeze is not None else "model.freeze")
+    prefixes = stage.freeze if stage.freeze is not None else cfg.model.freeze
+    freeze(model, prefixes, f"stages.{cfg.stage_index(stage.name)}.freeze"
+           if stage.freeze is not None else "model.freeze")
 
 
 class _ShapesOnly:

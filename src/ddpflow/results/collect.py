@@ -141,10 +141,10 @@ def gather_checkpoints(rows: list[dict], out: Path) -> list[dict]:
 def manifest(cfg: Config, repo: Path) -> dict:
     """What is needed to reproduce the run, from the stages' own records."""
     stages = {}
-    for st in cfg.stages:
-        folder = cfg.stage_dir(st.name)
+    for stage in cfg.stages:
+        folder = cfg.stage_dir(stage.name)
         s = read_summary(folder / "summary.json", damaged_ok=True) or {}
-        stages[st.name] = {"command": _read_json(folder / "command.json"),
+        stages[stage.name] = {"command": _read_json(folder / "command.json"),
                            "environment": s.get("environment"),
                            "container": s.get("container"), "config_hash": s.get("config_hash")}
     envs = [v["environment"] for v in stages.values() if v["environment"]]
@@ -158,8 +158,8 @@ def manifest(cfg: Config, repo: Path) -> dict:
         "python": first.get("python"), "host": first.get("host"),
         "image": _read_json(cfg.run_dir / "image.json"),
         "workflow_commands": ["snakemake --cores all  (or --profile profiles/slurm)",
-                              *[f"ddpflow launch --config <config> --stage {st.name}"
-                                for st in cfg.stages]],
+                              *[f"ddpflow launch --config <config> --stage {stage.name}"
+                                for stage in cfg.stages]],
         "stages": stages, "config": cfg.to_dict(),
     }
 
@@ -189,9 +189,9 @@ def _remove_outputs(out: Path) -> None:
 
 
 def _collect(cfg: Config, out: Path, repo: Path | None) -> dict:
-    pairs = [stage_row(cfg, st.name) for st in cfg.stages]
+    pairs = [stage_row(cfg, stage.name) for stage in cfg.stages]
     rows = [r for r, _ in pairs]
-    stage_records = [(st.name, recs) for st, (_, recs) in zip(cfg.stages, pairs)]
+    stage_records = [(stage.name, recs) for stage, (_, recs) in zip(cfg.stages, pairs)]
     index = gather_checkpoints(rows, out / "checkpoints")
     figures = {}
     metric = monitored(cfg, rows)

@@ -93,17 +93,17 @@ def build_task(cfg, st, num_classes: int | None):
                              f"model.name {model}" if model else "the model")
 
 
-def _build(cfg, st, num_classes: int | None):
+def _build(cfg, stage, num_classes: int | None):
     name = cfg.task.name
     if name == "classification":
-        return Classification(st.label_smoothing, **cfg.task.kwargs)
+        return Classification(stage.label_smoothing, **cfg.task.kwargs)
     if name in BUILTIN:
         return BUILTIN[name](**cfg.task.kwargs)
     if not is_import_path(name):
         raise UserError(f"task.name {short(name)} is not one of {', '.join(BUILTIN)} nor "
                         f"package.module:callable")
     task = call(load_callable(name, "task.name"), "task.name", kwargs=cfg.task.kwargs,
-                optional={"label_smoothing": st.label_smoothing, "num_classes": num_classes})
+                optional={"label_smoothing": stage.label_smoothing, "num_classes": num_classes})
     for method in ("loss", "metrics"):
         if not callable(getattr(task, method, None)):
             raise UserError(f"task.name: {name} returned {type(task).__name__}, which has no "

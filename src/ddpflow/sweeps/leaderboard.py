@@ -51,7 +51,7 @@ def trial_row(cfg: Config, entry: dict, logs: Path) -> dict:
     config_path = trial_config_path(cfg, entry)
     cfg = from_dict(reading.read_json(config_path, {"type": "object"},
                                       f"trial {entry['id']}'s config", PLAN_FIX))
-    rows = [stage_row(cfg, st.name)[0] for st in cfg.stages]
+    rows = [stage_row(cfg, stage.name)[0] for stage in cfg.stages]
     last = rows[-1]
     row = {"trial": entry["id"], "variant": entry.get("variant"),
            "overrides": entry["overrides"], **{
@@ -60,10 +60,10 @@ def trial_row(cfg: Config, entry: dict, logs: Path) -> dict:
     row["wall_time_s"] = round(sum(wall), 2) if wall else None
     gpus = 0
     slots = []
-    for st in cfg.stages:
-        rec = read_record(cfg.stage_dir(st.name) / "slot.json")
+    for stage in cfg.stages:
+        rec = read_record(cfg.stage_dir(stage.name) / "slot.json")
         if rec:
-            slots.append({"stage": st.name, **rec})
+            slots.append({"stage": stage.name, **rec})
             gpus = max(gpus, len(rec.get("gpus") or []))
     row["slots"] = slots
     row["gpu_hours"] = round(row["wall_time_s"] * gpus / 3600, 4) if wall and gpus else 0.0
@@ -95,18 +95,18 @@ def _read(path: Path) -> dict | None:
 
 def _status(cfg: Config, rows: list[dict], logs: Path) -> tuple[str, str]:
     """finished | stale | diverged | failed | not finished, and why (first bad stage)."""
-    for st, r in zip(cfg.stages, rows):
+    for stage, r in zip(cfg.stages, rows):
         if r.get("finished"):
             continue
         if r.get("stale"):
-            return "stale", f"stage {st.name}: {r['stale']}"
-        failed = _read(cfg.stage_dir(st.name) / "failed.json")
+            return "stale", f"stage {stage.name}: {r['stale']}"
+        failed = _read(cfg.stage_dir(stage.name) / "failed.json")
         if failed:
-            return "diverged", f"stage {st.name}: {failed.get('reason')}"
-        reason = reason_from_log(logs / f"train_{st.name}.log")
+            return "diverged", f"stage {stage.name}: {failed.get('reason')}"
+        reason = reason_from_log(logs / f"train_{stage.name}.log")
         if reason:
-            return "failed", f"stage {st.name}: {reason}"
-        return "not finished", f"stage {st.name}: {r.get('note') or 'not run'}"
+            return "failed", f"stage {stage.name}: {reason}"
+        return "not finished", f"stage {stage.name}: {r.get('note') or 'not run'}"
     return "finished", ""
 
 

@@ -99,14 +99,14 @@ class TrialJob:
     def _before_last(self, cfg: Config, path: Path, logs: Path) -> Outcome | None:
         """Every stage before the last, to its end (those finished with these settings are
         skipped here, without starting a launcher)."""
-        for st in cfg.stages[:-1]:
-            if _finished(cfg, st.name):
+        for stage in cfg.stages[:-1]:
+            if _finished(cfg, stage.name):
                 continue
-            log = logs / f"train_{st.name}.log"
-            rc = self.runner.run(cfg, ["launch", "--config", path, "--stage", st.name], log)
+            log = logs / f"train_{stage.name}.log"
+            rc = self.runner.run(cfg, ["launch", "--config", path, "--stage", stage.name], log)
             if rc:
                 kind = "diverged" if rc == EXIT_DIVERGED else "failed"
-                return failure(f"stage {st.name}: {reason_from_log(log)}", kind)
+                return failure(f"stage {stage.name}: {reason_from_log(log)}", kind)
         return None
 
     def outcome(self, cfg: Config, key: str, target: int, rc: int, log: Path) -> Outcome:

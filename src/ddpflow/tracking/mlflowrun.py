@@ -318,7 +318,7 @@ def finish_workflow_run(cfg: Config, artifacts: list[Path], sweep: bool = False,
              "logged (pip install 'ddpflow[mlflow]')")
         return
     try:
-        sent = sweep or all([send_unsent(cfg, st.name) for st in cfg.stages])
+        sent = sweep or all([send_unsent(cfg, stage.name) for stage in cfg.stages])
         c = client(uri)
         exp = experiment_id(c, cfg.tracking.mlflow.experiment)
         run_id = (ensure_run(c, exp, cfg.run_dir, cfg.run, None, uri) if sweep
