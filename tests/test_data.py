@@ -310,7 +310,8 @@ def test_augment_is_a_crop_of_the_padded_image_or_its_mirror():
 
     x = torch.randint(0, 256, (16, 8, 8, 3), dtype=torch.uint8)
     out = augment(x, AugmentCfg(crop_padding=2, flip=True, translate=0,
-                                random_resized_crop=None),
+                                random_resized_crop=None, policy=None, num_ops=None,
+                                magnitude=None),
                   step_generator(torch.device("cpu"), 0, 0, 0, 0))
     padded = torch.nn.functional.pad(x, (0, 0, 2, 2, 2, 2))
     flips = 0

@@ -66,7 +66,7 @@ def test_a_log_interval_reads_the_clock_after_the_sync(monkeypatch):
     log = type("Log", (), {"write": lambda self, r: r})()
     logger = IntervalLogger(setup, every=5, start_step=10, name="s", log=log, is_master=True)
     line = {"step": 10, "epoch": 0, "loss": 0.3, "lr": 0.1, "samples_per_s": 1.0,
-            "data_wait_fraction": 0.0}
+            "data_wait_fraction": 0.0, "stragglers": []}
     monkeypatch.setattr(logger, "record",
                         lambda s, per_rank, dt, **k: seen.setdefault("dt", dt) and line)
     logger.restart()
@@ -1051,12 +1051,12 @@ def test_progressive_resizing_crops_once_at_the_epochs_size(monkeypatch):
     epoch's size itself, and nothing resamples after it."""
     from ddpflow.config.types import AugmentCfg
 
-    rrc = AugmentCfg(0, True, 0, {"scale": [0.3, 1.0], "ratio": [0.75, 1.33]})
+    rrc = AugmentCfg(0, True, 0, {"scale": [0.3, 1.0], "ratio": [0.75, 1.33]}, None, None, None)
     xs, calls = _batches(rrc, lambda epoch: 12, monkeypatch)
     assert [tuple(x.shape) for x in xs] == [(8, 3, 12, 12)] * 2
     assert calls == [("crop", 12)] * 2  # one resampling a batch: no interpolate after it
     # pad-and-crop then the centre crop: one antialiased resampling, to the epoch's size
-    xs, calls = _batches(AugmentCfg(2, True, 0, None), lambda epoch: 12, monkeypatch)
+    xs, calls = _batches(AugmentCfg(2, True, 0, None, None, None, None), lambda epoch: 12, monkeypatch)
     assert [tuple(x.shape) for x in xs] == [(8, 3, 12, 12)] * 2
     assert calls == [("interpolate", (round(12 / 0.875),) * 2)] * 2
 

@@ -11,7 +11,14 @@ from ddpflow.core.errors import short
 
 
 def _where(path) -> str:
-    return ".".join(str(p) for p in path) or "(top level)"
+    return ".".join(_part(p) for p in path) or "(top level)"
+
+
+def _part(p) -> str:
+    """A key of the path as written, or quoted when it holds what a line cannot show
+    (a carriage return, a tab, an empty or padded key)."""
+    s = str(p)
+    return s if s and s.isprintable() and s.strip() == s else repr(s)
 
 
 _FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
