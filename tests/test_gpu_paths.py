@@ -1056,7 +1056,8 @@ def test_progressive_resizing_crops_once_at_the_epochs_size(monkeypatch):
     assert [tuple(x.shape) for x in xs] == [(8, 3, 12, 12)] * 2
     assert calls == [("crop", 12)] * 2  # one resampling a batch: no interpolate after it
     # pad-and-crop then the centre crop: one antialiased resampling, to the epoch's size
-    xs, calls = _batches(AugmentCfg(2, True, 0, None, None, None, None), lambda epoch: 12, monkeypatch)
+    pad = AugmentCfg(2, True, 0, None, None, None, None)
+    xs, calls = _batches(pad, lambda epoch: 12, monkeypatch)
     assert [tuple(x.shape) for x in xs] == [(8, 3, 12, 12)] * 2
     assert calls == [("interpolate", (round(12 / 0.875),) * 2)] * 2
 
