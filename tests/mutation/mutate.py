@@ -167,11 +167,14 @@ def current_functions() -> tuple[dict[str, str], dict[str, list[schemata.Mutant]
 
 # ---------------------------------------------------------------- record and serve
 
-def record(build: Build, tests: list[str], jobs: int) -> tuple[dict, dict, set]:
-    """({site: {tests that reach it}}, {test: seconds}, {tests failing unmutated})."""
+def record(build: Build, tests: list[str], jobs: int, marks: str | None = None
+           ) -> tuple[dict, dict, set]:
+    """({site: {tests that reach it}}, {test: seconds}, {tests failing unmutated}); `marks`:
+    only the tests of that pytest -m expression are recorded (and so used)."""
     folder = build.root / "record"
     folder.mkdir()
-    cmd = [*PYTEST, f"--mutate-record={folder}", *(["-n", str(jobs), "--dist", "loadfile"]
+    cmd = [*PYTEST, f"--mutate-record={folder}", *(["-m", marks] if marks else []),
+           *(["-n", str(jobs), "--dist", "loadfile"]
                                                     if jobs > 1 else []), *tests]
     print(f"mutate: recording which tests reach which site ({len(tests)} test paths)",
           flush=True)
@@ -394,7 +397,7 @@ def cmd_run(a) -> int:
         print(f"mutate: {len(targets)} mutants in {len(wanted)} functions of "
               f"{len(modules)} modules", flush=True)
         tests = a.tests or _tests_for(rec, wanted)
-        hits, durations, failed = record(build, tests, a.jobs)
+        hits, durations, failed = record(build, tests, a.jobs, a.marks)
         if failed:
             print(f"mutate: {len(failed)} test(s) fail on the unmutated copy and are not used: "
                   f"{sorted(failed)[:5]}", flush=True)
@@ -705,6 +708,9 @@ def main() -> int:
                    "reached the functions last time, else all)")
     r.add_argument("--jobs", type=int, default=JOBS)
     r.add_argument("--budget", type=float, default=BUDGET_S)
+    r.add_argument("--marks", default=None, help="record only the tests of this pytest -m "
+                   "expression ('not slow': minutes, not hours; a mutant only a slow test "
+                   "kills then survives)")
     c = sub.add_parser("check", help="the CI ratchet")
     c.add_argument("--changed-budget", type=float, default=CHECK_CHANGED_S)
     c.add_argument("--sample-budget", type=float, default=CHECK_SAMPLE_S)
