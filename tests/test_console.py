@@ -95,6 +95,15 @@ LOG_ROWS = [  # (class, argv after `ddpflow` ({c}: the config), words of the mes
     ("a folder", ["--log", "{t}", "validate", "--config", "{c}"], ["--log {t} is a folder"]),
     ("a FIFO", ["--log", "{t}/pipe.log", "validate", "--config", "{c}"],
      ["--log {t}/pipe.log is not a regular file"]),
+    ("predict's --out, not there yet", ["--log", "{t}/preds.csv", "predict", "--bundle", "{t}",
+                                        "{t}/img.log", "--out", "{t}/preds.csv"],
+     ["--log {t}/preds.csv is the --out of this command ({t}/preds.csv)"]),
+    ("a file inside export's --out", ["--log", "{t}/bundle/x.log", "export", "--config", "{c}",
+                                      "--out", "{t}/bundle"],
+     ["--log {t}/bundle/x.log is inside the --out folder of this command ({t}/bundle)"]),
+    ("ddpflow's record of a folder it wrote", ["--log", "{t}/.ddpflow-output", "validate",
+                                               "--config", "{c}"],
+     ["--log {t}/.ddpflow-output: .ddpflow-output is the record ddpflow keeps"]),
 ]
 
 

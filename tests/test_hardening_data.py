@@ -355,6 +355,10 @@ CIFAR_ROWS = [
      "label_names: 'airplane' is not of type 'array'"),
     ("meta names of one class", "batches.meta", {b"label_names": [b"a"]},
      "label_names: 1 item(s), expected at least 2"),
+    ("meta names a class twice", "batches.meta", {b"label_names": [b"cat", b"cat", b"dog"]},
+     "label_names: \"['cat', 'cat', 'dog'] has non-unique elements\""),
+    ("meta names an empty class", "batches.meta", {b"label_names": [b"cat", b""]},
+     "label_names.1: '' is not allowed here (minLength 1)"),
     ("meta a list, not a dict", "batches.meta", [b"a", b"b"],
      "batches.meta (a cifar10 file): (top level)"),
     ("batch without data", "data_batch_2", {b"labels": [0, 1]}, "data_batch_2 (a cifar10 "
@@ -423,6 +427,10 @@ IDX_ROWS = [
     ("header promises more than the file holds",
      struct.pack(">HBB", 0, 8, 3) + struct.pack(">III", 1000, 28, 28) + b"x" * 100,
      "is truncated: its header says (1000, 28, 28) (784000 bytes), 100 bytes of data follow"),
+    ("more data than its header promises",
+     struct.pack(">HBB", 0, 8, 1) + struct.pack(">I", 3) + b"abc" + b"\0" * 16,
+     "is longer than its header says: its header says (3,) (3 bytes), 19 bytes of data "
+     "follow"),
     ("ends inside its header", struct.pack(">HBB", 0, 8, 3) + struct.pack(">I", 5),
      "is truncated: it ends inside its IDX header"),
     ("shorter than a header", b"\x00\x00", "is truncated: it ends inside its IDX header"),

@@ -104,6 +104,10 @@ SBATCH_ROWS = [
     ("--array=1-100", "sets --array, which slurm.extra may not set: an array job would run "
                       "the stage as many times at once"),
     ("--hold", "sets --hold,"),
+    ("-Q", "sets --quiet (sbatch reads -Q as --quiet), which slurm.extra may not set: sbatch "
+           "would not print the job's id"),
+    ("--begin=now+3650days", "sets --begin, which slurm.extra may not set: a job that may not "
+                             "start before a later time keeps the workflow waiting"),
     ("--dependency=afterok:12", "sets --dependency, which slurm.extra may not set: Snakemake "
                                 "orders the jobs"),
     ("--test", "sets --test-only (sbatch reads --test as --test-only)"),

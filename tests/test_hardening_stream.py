@@ -42,6 +42,8 @@ class Items(Dataset):
                 raise ValueError(f"cannot decode item {i}")
             elif self.bad == "text":
                 y = "cat"  # of one shape with the others, but no batch can hold it
+            elif self.bad == "float":
+                y = 2.5  # the whole batch's labels become float: the loss fails in the rank
         return x, y
 
 
@@ -62,6 +64,11 @@ ROWS = [  # (dataset, classify, the message; None: every batch passes)
                             "cannot decode item 200 at test_hardening_stream.py:"),
     (Items("text"), True, "item 200 of the 'train' dataset: its target is a str label 'cat'; "
                           "expected an integer class index"),
+    (Items("float"), True, "item 200 of the 'train' dataset: its target is a float label 2.5; "
+                           "expected an integer class index"),
+    (Items("float", at=203), True, "item 203 of the 'train' dataset: its target is a float "
+                                   "label 2.5"),
+    (Items("float"), False, None),  # a user task's targets may be floats
     (Items("text", at=201), True, "reading items 200, 201, 202, 203, 204 ... (8 items) of the "
                                   "'train' dataset into a batch failed ("),
     (Items(), True, None),

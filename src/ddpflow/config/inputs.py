@@ -54,5 +54,15 @@ def command_inputs(args: argparse.Namespace) -> dict[str, str]:
 
 
 def checked_log(log: str, args: argparse.Namespace) -> Path:
-    """`--log` checked against the command's inputs (core/writing.py's check_log_place)."""
+    """`--log` checked against the command's inputs (core/writing.py's check_log_place) and
+    its output: never the --out of the command nor a file inside it (the log, made first,
+    would be taken for a file the command did not write)."""
+    out = getattr(args, "out", None)
+    if isinstance(out, str) and out:
+        place, target = Path(log).resolve(), Path(out).resolve()
+        if place == target or target in place.parents:
+            where = "the --out" if place == target else "inside the --out folder"
+            raise UserError(f"--log {log} is {where} of this command ({out}): the command "
+                            f"would find its own log where its output goes; nothing was "
+                            f"changed; give --log a file of its own, e.g. run.log")
     return check_log_place(Path(log), command_inputs(args))

@@ -58,12 +58,12 @@ LONG, SHORT = _table()
 # wants one beside the job's total (docs/slurm.md); nothing else that sizes, names, places
 # or starts the job: ddpflow and the executor set those
 ALLOWED = frozenset("""
-acctg-freq batch begin bb bbf cluster-constraint context contiguous core-spec
+acctg-freq batch bb bbf cluster-constraint context contiguous core-spec
 cores-per-socket cpu-freq deadline delay-boot distribution exclude exclusive extra-node-info
 gpu-bind gpu-freq gpus-per-node gres-flags hint ignore-pbs licenses mail-type mail-user
 mcs-label mem-bind
 network nice no-kill no-requeue nodefile nodelist overcommit oversubscribe power prefer
-priority profile propagate quiet reboot requeue reservation sockets-per-node spread-job
+priority profile propagate reboot requeue reservation sockets-per-node spread-job
 switches thread-spec threads-per-core tmp use-min-nodes verbose wckey
 """.split())
 
@@ -91,6 +91,10 @@ MANAGED = {
               "a sweep (sweep: in the config)"),
     "wrap": "the executor's job script runs the stage; --wrap would run another command",
     "hold": "a held job never starts, and the workflow would wait for it forever",
+    "begin": ("a job that may not start before a later time keeps the workflow waiting as "
+              "a held job does: start the workflow at that time instead"),
+    "quiet": ("sbatch would not print the job's id, which the Slurm executor reads to follow "
+              "the job: leave it out"),
     **dict.fromkeys(("dependency", "kill-on-invalid-dep"),
                     "Snakemake orders the jobs by their inputs and outputs itself"),
     "test-only": ("the workflow already puts every request to sbatch --test-only at its "

@@ -360,6 +360,9 @@ def check_log_place(path: str | Path, inputs: dict[str, str]) -> Path:
             if same:
                 raise UserError(f"--log {path} is {what} of this command ({other}): the log "
                                 f"would be written over it; nothing was changed; {fix}")
+    if path.name == MARKER:
+        raise UserError(f"--log {path}: {MARKER} is the record ddpflow keeps of what it "
+                        f"wrote in that folder; nothing was changed; {fix}")
     if path.suffix.lower() in NOT_A_LOG:
         raise UserError(f"--log {path}: a log does not take the name of a {path.suffix} file "
                         f"(a config, weights, data or code); "

@@ -179,8 +179,10 @@ def _batch_schema(label_key: str) -> dict:
 
 def _meta_schema(names_key: str) -> dict:
     return {"type": "object", "required": [names_key],
-            "properties": {names_key: {"type": "array", "items": {"type": "string"},
-                                       "minItems": 2, "maxItems": 1000}}}
+            "properties": {names_key: {"type": "array",
+                                       "items": {"type": "string", "minLength": 1},
+                                       "minItems": 2, "maxItems": 1000,
+                                       "uniqueItems": True}}}  # a class named twice: no
 
 
 def _member(source: str, path: Path, name: str, blob: bytes, schema: dict) -> dict:
@@ -254,7 +256,8 @@ def _read_idx(path: Path, verify: bool, expected_md5: str | None, report: dict) 
     body = raw[4 + 4 * len(dims):]
     want = int(np.prod(dims, dtype=np.int64))
     if len(body) != want:
-        raise UserError(f"{path} is truncated: its header says {dims} ({want} bytes), "
+        state = "truncated" if len(body) < want else "longer than its header says"
+        raise UserError(f"{path} is {state}: its header says {dims} ({want} bytes), "
                         f"{len(body)} bytes of data follow; replace the file")
     return np.frombuffer(body, dtype=np.uint8).reshape(dims)
 
@@ -291,9 +294,13 @@ def read_idx(source: str, path: Path, verify: bool):
         lpath = _find_idx(path, f"{prefix}-labels-idx1-ubyte")
         x = _read_idx(ipath, verify, sums.get(ipath.name), report)
         y = _read_idx(lpath, verify, sums.get(lpath.name), report).astype(np.int64)
-        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-            raise UserError(f"{ipath.name} and {lpath.name} do not match "
-                            f"({x.shape} images, {y.shape} labels)")
+        for file, array, holds in ((ipath, x, "(count, rows, columns)"), (lpath, y, "(count,)")):
+            if array.ndim != len(holds.split(",")) - (holds == "(count,)"):
+                raise UserError(f"{file} holds an array of shape {array.shape}, where an "
+                                f"MNIST file holds {holds}: replace it with the official file")
+        if len(x) != len(y):
+            raise UserError(f"{ipath} and {lpath.name} do not match ({len(x)} images, "
+                            f"{len(y)} labels): replace them with the official files")
         splits[split] = (x[..., None].copy(), y)
     classes = FASHION_CLASSES if source == "fashion_mnist" else [str(i) for i in range(10)]
     return splits, classes, report

@@ -144,7 +144,12 @@ def checked(loader, ds, indices: Sequence[int], batch_size: int, name: str, spli
                 raise
             raise user from None
         if classify and isinstance(batch, (tuple, list)) and len(batch) == 2:
-            if not isinstance(batch[1], torch.Tensor):  # the loader kept them as they came
+            y = batch[1]
+            if not isinstance(y, torch.Tensor):  # the loader kept them as they came
+                _odd_label(ds, part, classes, name, split)
+            elif y.ndim == 1 and (y.is_floating_point() or y.dtype == torch.bool):
+                # one float (or bool) among integer labels makes the whole batch float: the
+                # loss would fail inside the rank; the item that is not a class index named
                 _odd_label(ds, part, classes, name, split)
             check_labels(batch[1], part, classes, name, split)
         yield batch
