@@ -466,6 +466,10 @@ KWARGS_ROWS = [  # (model.name, model.kwargs, the message; None: built)
     ("timm:resnet18", {"in_chans": 1}, "model.kwargs.in_chans: ddpflow passes in_chans"),
     ("mine:build", {"dept": 3}, "model.kwargs.dept: mine:build takes no argument dept (did "
                                 "you mean 'depth'?); it takes depth"),
+    ("smallcnn", {"width": "wide"}, "model.kwargs {'width': 'wide'}: smallcnn could not be "
+                                    "built with them (TypeError: "),
+    ("resnet18", {"norm_layer": "BatchNorm2d"}, "model.kwargs {'norm_layer': 'BatchNorm2d'}: "
+                                                "resnet18 could not be built with them"),
     ("smallcnn", {"width": 8}, None),
     ("resnet18", {"zero_init_residual": True}, None),
     ("mine:build", {"depth": 3}, None),

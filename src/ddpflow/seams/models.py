@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from ddpflow.core.errors import UserError
+from ddpflow.core.errors import UserError, short
 from ddpflow.seams import kwargs
 from ddpflow.seams.contract import Probe, check_model
 from ddpflow.seams.userimport import add_code_dir, call, is_import_path, load_callable
@@ -89,7 +89,14 @@ def _build(mc, num_classes: int | None, data_channels: int | None) -> nn.Module:
     try:
         return _call_builder(mc, k, num_classes, data_channels)
     except UserError as e:  # a class behind the builder's **kwargs did not take one
-        raise kwargs.unexpected_keyword(e, mc.kwargs, mc.name) or e from None
+        named = kwargs.unexpected_keyword(e, mc.kwargs, mc.name)
+        if named is None and mc.kwargs and k in ("builtin", "torchvision"):
+            # a built-in builds with any right values: a value of model.kwargs is wrong
+            why = str(e).partition(" failed (")[2].rstrip(")") or str(e)
+            named = UserError(f"model.kwargs {short(mc.kwargs, 80)}: {mc.name} could not be "
+                              f"built with them ({why}); check each value's type and range "
+                              f"against {mc.name}'s arguments")
+        raise named or e from None
 
 
 def _call_builder(mc, k: str, num_classes: int | None, data_channels: int | None):
