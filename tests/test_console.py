@@ -210,3 +210,18 @@ def test_a_config_that_does_not_read_is_the_commands_message_in_its_log(tmp_path
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"ddpflow: error: config file {bad} is not valid YAML")
     assert log.read_text() == proc.stderr
+
+
+def test_an_empty_out_is_no_folder_the_log_could_be_inside(tmp_path, monkeypatch):
+    """`--out ""` (an empty argument) names no place: the log beside it is not refused as
+    being inside it (the command says what is wrong with its --out itself)."""
+    import argparse
+
+    from ddpflow.config.inputs import checked_log
+    from ddpflow.core.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    assert checked_log("run.log", argparse.Namespace(out="", log="run.log")) == \
+        tmp_path.joinpath("run.log").relative_to(tmp_path)
+    with pytest.raises(UserError, match="inside the --out folder"):
+        checked_log("b/run.log", argparse.Namespace(out="b", log="b/run.log"))

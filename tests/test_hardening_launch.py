@@ -121,6 +121,10 @@ SBATCH_ROWS = [
     ("-J name", "the Slurm executor sets it (a per-rule resource"),
     ("--uid=0", "it runs the job as another user"),
     ("--help", "sbatch would print and exit"),
+    ("--con=x", "has --con, which is ambiguous to sbatch (it could be --constraint, "
+                "--container, --context, --contiguous): write the whole option"),  # 4: all
+    ("--ex", "has --ex, which is ambiguous to sbatch (it could be --exclude, --exclusive, "
+             "--export, --export-file ...): write the whole option"),  # 5: the first 4
     ("--mail=END", "has --mail, which is ambiguous to sbatch (it could be --mail-type, "
                    "--mail-user): write the whole option"),
     ("--exc", "it could be --exclude, --exclusive"),
