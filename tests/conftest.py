@@ -78,7 +78,9 @@ LONGEST_FIRST = ("test_workflow.py",  # ~480
                  "test_faults.py",  # ~300
                  "test_trust.py", "test_mlflow.py", "test_engine.py", "test_evaluate.py",
                  "test_container.py", "test_sweep.py", "test_tune.py",
-                 "test_fsdp.py")  # 100-170 each
+                 "test_fsdp.py",  # 100-170 each
+                 "test_sweep_asha.py", "test_hang.py", "test_sampling_runs.py",
+                 "test_asha.py")  # this round's: real sweeps, hangs that wait for a timeout
 
 
 def pytest_collection_modifyitems(items):
