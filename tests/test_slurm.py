@@ -233,10 +233,12 @@ def test_asha_sweep_on_slurm_one_job_per_rung(tmp_path):
     segments = {}
     for r in rows:
         out = subprocess.run(["sacct", "-n", "-X", "-P", "--name", f"ddpflow-{r['trial']}",
-                              "-S", "now-1hour", "-o", "JobID,State,ExitCode,AllocTRES"],
+                              "-S", "now-1hour", "-o", "JobID,State,ExitCode,AllocTRES,WorkDir"],
                              capture_output=True, text=True).stdout
         jobs = [line.split("|") for line in out.strip().splitlines()]
-        segments[r["status"]] = [j for j in jobs if "gres/gpu=1" in j[3]]  # training jobs
+        # this test's training jobs only: another test's sweep names its trials the same
+        segments[r["status"]] = [j for j in jobs if "gres/gpu=1" in j[3]
+                                 and Path(j[4]).resolve().is_relative_to(tmp_path.resolve())]
     # the paused trial: one job, stopped at its rung's checkpoint (exit 75); the finished
     # one: that, then its promotion, resumed in a job of its own
     assert [j[2] for j in segments["paused"]] == ["75:0"], segments

@@ -177,8 +177,11 @@ def test_tune_shows_each_candidate_ends_within_its_budget_and_stops_when_asked(t
     assert max(tried) < 4096  # the climb ended before max_batch: nothing ran out of memory
     assert any("a step needs" in msg for _, msg in lines) and "chose" in lines[-1][1]
     measured = [i for i, (_, msg) in enumerate(lines) if re.search(r"samples/s, data wait", msg)]
-    skipped = [i for i, (_, msg) in enumerate(lines) if msg.endswith("s spent)")]
-    assert len(measured) + len(skipped) >= 5 and len(skipped) == len(t["skipped"])
+    # tune.json's `skipped` lists each candidate skipped (the budget spent, or it would end
+    # past it) and each one cut to fewer timed steps, and each has its line
+    skipped = [i for i, (_, msg) in enumerate(lines) if re.search(r": skipped \(.*s (spent|are left)\)$", msg)]
+    cut = [i for i, (_, msg) in enumerate(lines) if re.search(r": cut to \d+ of \d+ timed steps", msg)]
+    assert len(measured) + len(skipped) >= 5 and len(skipped) + len(cut) == len(t["skipped"])
     # within its budget, however busy the machine: a candidate is checked in after the line
     # before it, so each one that ran began before tune.budget_s (by tune's own clock, that
     # of its lines), and once one was skipped every later one was
@@ -319,9 +322,20 @@ def test_a_candidate_that_would_end_past_the_budget_is_not_started(pace):
     assert p.skipped == ["batch 32"] and p.lines[-1] == (
         "batch 32: skipped (it would end past tune.budget_s 8 s: the one before took 4.0 s, "
         "1.0 s are left)")
+    # a skipped candidate took no time: the next is still judged by the 4 s of the last that ran
+    assert not admits(p, "batch 32, channels_last") and "took 4.0 s" in p.lines[-1]
     clock.now += 2.0  # spent: skipped as before
-    assert not admits(p, "batch 64") and p.skipped[-1] == "batch 64"
+    assert admits(p, "batch 64") is False and p.skipped[-1] == "batch 64"
     assert "tune.budget_s 8 s spent" in p.lines[-1]
+
+
+def test_a_candidate_that_would_end_at_the_budgets_end_is_started(pace):
+    from ddpflow.engine.tunebudget import admits
+
+    p, clock = pace
+    assert admits(p, "batch 8")
+    clock.now += 4.0  # it took 4 s: one more of 4 s ends at 8 s, not past tune.budget_s 8
+    assert admits(p, "batch 16") is True and p.skipped == []
 
 
 @pytest.mark.parametrize("start, step_s, steps, timed", [

@@ -46,7 +46,8 @@ def admits(pace, what: str) -> bool:
     state, now = _state(pace), clock()
     if state.started is not None:
         state.last_s = now - state.started
-    state.what, state.started = what, now
+    # a skipped candidate took no time: the next one is judged by the last that ran
+    state.what, state.started = what, None
     if not pace.check(what):  # the budget is spent (agreed); a stop signal raises
         pace.skip(what)
         return False
@@ -56,6 +57,8 @@ def admits(pace, what: str) -> bool:
         pace.skipped.append(what)
         pace.say(f"{what}: skipped (it would end past tune.budget_s {pace.budget_s:g} s: the "
                  f"one before took {state.last_s:.1f} s, {max(0.0, end - now):.1f} s are left)")
+    else:
+        state.started = now
     return fits
 
 
