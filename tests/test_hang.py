@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -420,6 +421,47 @@ def test_monitored_barrier_s_words_name_the_ranks(text, rank, named):
     if named is None:
         assert "[/x/pair.cc" not in how and text.split("] ")[-1][:20] in how
         assert "This is typically" not in how  # one sentence
+
+
+def test_a_rank_s_view_names_the_peer_whose_process_ended_on_this_host(tmp_path, monkeypatch):
+    """diagnose, on rank 0 of 3: its own stack with the error first, a stack request for
+    the others, and hang-0.json naming rank 1 (its process on this host has ended) but not
+    rank 2 (another host's process is not this rank's to judge), all of it returned."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(hang, "STACK_WAIT_S", 0.3)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # ended and reaped: its pid is gone
+    beat = heartbeat.Heartbeat(tmp_path, 0, 3)
+    try:
+        beat.beat(5, now=True)
+        for rank, host in ((1, beat.host), (2, "elsewhere")):
+            write_json_atomic(heartbeat.heartbeat_file(tmp_path, rank),
+                              {**beat.record(), "rank": rank, "host": host, "pid": dead.pid})
+        try:
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                               "[127.0.0.1]:5301. This is typically caused by a dead peer")
+        except RuntimeError as e:
+            err = e
+        t0 = time.time()
+        view = hang.diagnose(SimpleNamespace(rank=0, world=3), None, beat, err)
+        t1 = time.time()
+        assert beat.diagnosing is True
+    finally:
+        beat.close()
+    assert view == json.loads((tmp_path / "hang-0.json").read_text())
+    assert view["ended"] == [1] and view["missing"] is None
+    assert view["found_by"] == "no watch group" and view["heartbeat_problems"] == []
+    assert (view["rank"], view["world"], view["host"], view["step"]) == (0, 3, beat.host, 5)
+    assert view["error"] == "Connection closed by peer [127.0.0.1]:5301"
+    assert view["stacks"] == ("py-spy" if shutil.which("py-spy") else "faulthandler")
+    assert t0 <= view["detected_at"] <= view["at"] <= t1
+    own = (tmp_path / "stack-0.txt").read_text()
+    assert own.startswith(f"== stack of rank 0 (host {beat.host}, pid {os.getpid()}) at step "
+                          f"5, where its collective broke, by faulthandler:\nTraceback")
+    assert "This is typically caused by a dead peer" in own
+    assert "test_a_rank_s_view_names_the_peer_whose_process_ended" in own  # every thread's
+    assert (tmp_path / heartbeat.REQUEST).exists()  # the others were asked for theirs
 
 
 def test_a_broken_collective_is_told_from_other_errors():

@@ -158,9 +158,11 @@ def diagnose(dist, group, beat: hb.Heartbeat, err: BaseException) -> dict:
     beat.request()
     missing, how = missing_ranks(dist, group) if group is not None else (None, "no watch group")
     beats, problems = hb.read_heartbeats(beat.folder, dist.world)
+    tool = fetch_stacks(beat, beats)
+    # after the wait for stacks: a killed rank's socket closes while its process still
+    # exits (under load, longer than this rank takes to get here), so only now is it gone
     ended = sorted(r for r, b in beats.items() if b["host"] == beat.host and r != dist.rank
                    and not alive(b["pid"]))
-    tool = fetch_stacks(beat, beats)
     view = {"rank": dist.rank, "world": dist.world, "host": beat.host, "step": beat.step,
             "error": error_text(err), "missing": missing, "found_by": how, "ended": ended,
             "stacks": tool, "heartbeat_problems": problems, "detected_at": detected,
