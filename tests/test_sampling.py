@@ -355,3 +355,17 @@ def test_a_user_dataset_draws_balanced_from_its_targets(tmp_path):
                                         r"often, and the data.factory tail:make dataset does "
                                         r"not say its samples' classes; give it `targets`"):
         _user_dataset(from_dict(raw), d, meta, 8, None, 1)
+
+
+@pytest.mark.parametrize("keys, seed", [
+    ((0,), 6569863346532939966),  # its 64th bit was set: masked to 63 bits
+    ((1,), 7434755675892716031),  # odd: every bit of the low word is kept
+    ((0, 1, 2), 3071860871404845570),
+    ((7, 3, -1), 974896293702283019),  # a negative key is taken modulo 2**64
+    ((5,), 3408106289409078375), ((2**64 + 5,), 3408106289409078375)])
+def test_a_derived_seed_is_the_same_on_every_machine(keys, seed):
+    """core/seeds.seed_sequence pinned: a resumed or requeued run on another machine (or
+    numpy) draws the same data order only if these values never change."""
+    from ddpflow.core.seeds import seed_sequence
+
+    assert seed_sequence(*keys) == seed and 0 <= seed < 2**63
