@@ -32,6 +32,12 @@
 #                  (`resumed from ckpt-000000020.dcp`), 12 blocks checkpointed; figure: peak
 #                  memory per rank and samples/s against DDP of the same model; with 2 GPUs
 #                  or more, FSDP's peak must be at most 0.6 of DDP's
+#   flight_recorder  NCCL's flight recorder as the launcher sets it up: a collective stuck behind
+#                  a spinning kernel times out, the dump is written in ranks/ and the launcher's
+#                  NCCL report names it (bench/gpu_flight.py; one GPU is enough)
+#   sampling_resume  data.sampling balanced + data.augment.policy trivialaugment on the device
+#                  loader (the policy on the GPU), deterministic: halted at step 15 and resumed
+#                  gives the same weights as straight through
 #   nondeterministic  a model with a CUDA op that has no deterministic kernel (bilinear
 #                  interpolate's backward, in torch.use_deterministic_algorithms's list of ops
 #                  that raise), deterministic: true: one message naming the op, exit 2, no
@@ -39,6 +45,9 @@
 # Each check prints one line: PASS/FAIL name (seconds): its figure (the log's last "figure:"
 # line, else its last line). What this machine could not run is listed as NOT EXERCISED.
 # Figures: ResNet-50 bf16 (channels_last and not), ResNet-18 32 px; table.md at the end.
+# GPU_DEADLINE_S=N: no check starts after N seconds (it is listed NOT RUN), so a lease's time
+# limit still leaves the table; GPU_ARCHIVE=file.tgz: the logs and summaries packed there
+# after each check (what a killed run leaves).
 set -uo pipefail
 out=${1:-bench-gpu-out}
 py=${PYTHON:-python3}
@@ -55,8 +64,17 @@ here=$(cd "$(dirname "$0")" && pwd)
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU ")
 nproc=$((gpus >= 2 ? 2 : 1))
 skipped=()
+notrun=()
+archive() {  # the logs, summaries and reports so far (not the data) into $GPU_ARCHIVE
+  [ -n "${GPU_ARCHIVE:-}" ] || return 0
+  (cd "$out" && find . \( -name '*.log' -o -name '*.txt' -o -name '*.md' -o -name '*.json' \
+    -o -name '*.yaml' -o -name '*.err' -o -name 'nccl_trace_rank_*' -o -name 'stack-*' \) \
+    -size -4M -print0 | tar czf "$GPU_ARCHIVE.part" --null -T - && mv "$GPU_ARCHIVE.part" "$GPU_ARCHIVE")
+}
 check() {  # name command...: one line, PASS/FAIL with its seconds and figure; status 77: the
   local name=$1 t0=$SECONDS fig rc; shift  # check could not run here (NOT EXERCISED)
+  if [ "${GPU_DEADLINE_S:-0}" -gt 0 ] && [ $SECONDS -ge "${GPU_DEADLINE_S}" ]; then
+    notrun+=("$name"); echo "NOT RUN $name (past GPU_DEADLINE_S=$GPU_DEADLINE_S)"; return; fi
   "$@" >"$out/$name.log" 2>&1; rc=$?
   fig=$(grep -E '^figure: ' "$out/$name.log" | tail -1 | cut -c9-)
   [ -n "$fig" ] || fig=$(grep -v '^[[:space:]]*$' "$out/$name.log" | tail -1)
@@ -65,6 +83,7 @@ check() {  # name command...: one line, PASS/FAIL with its seconds and figure; s
   elif [ $rc -eq 77 ]; then skipped+=("$name: $fig")
   else echo "FAIL $name ($((SECONDS - t0)) s): $fig $(grep -E 'Error|error|FAIL|assert' \
       "$out/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"; fails=$((fails + 1)); fi
+  archive
 }
 cfg() {  # name model px train_size "data extras" "stage" ["top-level extras"] [ranks]
          # -> config path
@@ -106,7 +125,7 @@ c_doctor() {
   grep -q "NCCL" <<<"$o" && grep -q "^driver " <<<"$o"
 }
 c_rn50() {  # also the headline figure
-  local c; c=$(cfg rn50 resnet50 224 8192 "loader: device" \
+  local c; c=$(cfg rn50 resnet50 224 4096 "loader: device" \
     "max_steps: 80, batch_size: 256, precision: bf16, channels_last: true") || return 1
   timeout 200 $py -m ddpflow launch -c "$c" --stage s && holds "$(summary rn50)" \
     "s['finished'] and s['backend'] == 'nccl' and s['loader'] == 'device' and \
@@ -175,6 +194,9 @@ ranks_part() {  # backend part: that part's RESULT line; 77 when it said SKIP
   return 1
 }
 ranks() {  # backend: the 2-rank run, then one check line per part
+  if [ "${GPU_DEADLINE_S:-0}" -gt 0 ] && [ $SECONDS -ge "${GPU_DEADLINE_S}" ]; then
+    notrun+=("ranks_*_$1"); echo "NOT RUN ranks_*_$1 (past GPU_DEADLINE_S=$GPU_DEADLINE_S)"
+    return; fi
   ranks_run "$1"
   local part
   for part in collectives ddp_no_sync grad_hook fp16_skipped syncbn compile_ddp; do
@@ -321,13 +343,13 @@ PY
 }
 c_fsdp() {  # FSDP2 + checkpointing on NCCL, halted and resumed; its memory against DDP's
   local c d
-  c=$(cfg fsdp vit_b_16 224 4096 "loader: device" "max_steps: 40, batch_size: 32, \
+  c=$(cfg fsdp vit_b_16 224 2048 "loader: device" "max_steps: 40, batch_size: 32, \
 precision: bf16, strategy: fsdp, activation_checkpointing: true" "" "$nproc") || return 1
   sed -i 's/every_steps: 0,/every_steps: 10,/' "$c"
   timeout 250 $py -m ddpflow launch -c "$c" --stage s --halt-after-steps 20; [ $? -eq 75 ] || return 1
   timeout 250 $py -m ddpflow launch -c "$c" --stage s 2>&1 | tee "$out/fsdp-resume.txt"
   grep -q "resumed from ckpt-000000020.dcp" "$out/fsdp-resume.txt" || return 1
-  d=$(cfg fsdpddp vit_b_16 224 4096 "loader: device" "max_steps: 40, batch_size: 32, \
+  d=$(cfg fsdpddp vit_b_16 224 2048 "loader: device" "max_steps: 40, batch_size: 32, \
 precision: bf16" "" "$nproc") || return 1
   timeout 250 $py -m ddpflow launch -c "$d" --stage s || return 1
   $py - "$(summary fsdp)" "$(summary fsdpddp)" <<'PY'
@@ -343,9 +365,32 @@ ok = (f["finished"] and f["backend"] == "nccl" and f["sharding"]
 sys.exit(0 if ok and (f["world_size"] < 2 or fm <= 0.6 * dm) else 1)
 PY
 }
+c_flight() {  # NCCL's flight recorder dumps on a collective's timeout, the report names it
+  timeout 120 $py -m torch.distributed.run --standalone --nproc-per-node 1 \
+    "$here/gpu_flight.py" "$out/flight"; echo "the stuck run ended: exit $?"
+  $py "$here/gpu_flight.py" "$out/flight" --read
+}
+c_sampling() {  # balanced draws + a policy on the device loader: a resumed stage, bit-exact
+  local f=() run c
+  for run in sb1 sb2; do
+    c=$(cfg "$run" smallcnn 32 4096 "loader: device, sampling: balanced, \
+augment: {policy: trivialaugment}" "max_steps: 30, batch_size: 128, precision: bf16" \
+      "deterministic: true") || return 1
+    if [ $run = sb2 ]; then
+      timeout 120 $py -m ddpflow launch -c "$c" --stage s --halt-after-steps 15
+      [ $? -eq 75 ] || return 1
+    fi
+    timeout 120 $py -m ddpflow launch -c "$c" --stage s 2>&1 | tee "$out/$run.txt" || return 1
+    f+=("$out/results/$run/stages/s/final.pt")
+  done
+  grep -q "resumed from" "$out/sb2.txt" || return 1
+  holds "$(summary sb1)" "s['finished'] and s['loader'] == 'device'" || return 1
+  echo "straight through, halted at 15 and resumed:"
+  same_weights "${f[@]}" | sed 's/^/figure: /'; return "${PIPESTATUS[0]}"
+}
 figures() {  # channels_last against not, and a small-image model
   local c
-  c=$(cfg rn50nchw resnet50 224 8192 "loader: device" \
+  c=$(cfg rn50nchw resnet50 224 4096 "loader: device" \
     "max_steps: 80, batch_size: 256, precision: bf16, channels_last: false") &&
     timeout 200 $py -m ddpflow launch -c "$c" --stage s
   c=$(cfg rn18 resnet18 32 16384 "loader: device" \
@@ -355,25 +400,32 @@ figures() {  # channels_last against not, and a small-image model
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 echo "== $gpus GPU(s); ddpflow's own runs use $nproc rank(s)"
+# the most telling first: a lease can end before the last
 check env c_env
-check doctor c_doctor
+check flight_recorder c_flight
+check sampling_resume c_sampling
 check rn50_bf16 c_rn50
 check fp16_resume c_fp16
 check determinism c_det
+check fsdp c_fsdp
+check nondeterministic c_nondet
+check layout_probe c_layout
+check export_cuda c_export_cuda
+check doctor c_doctor
 check compile c_compile
 check tune c_tune
-check nondeterministic c_nondet
-check fsdp c_fsdp
-check export_cuda c_export_cuda
-check layout_probe c_layout
 ranks gloo
 if [ "$gpus" -ge 2 ]; then ranks nccl
 else skipped+=("ranks_*_nccl: NCCL on 2 ranks needs 2 GPUs (NCCL refuses 2 ranks on one GPU)"
               "fp16_resume on 2 ranks: ddpflow binds a rank per GPU; it ran on 1 rank (no DDP)")
 fi
-figures >"$out/figures.log" 2>&1 || echo "(a figure run failed: $out/figures.log)"
+if [ "${GPU_DEADLINE_S:-0}" -gt 0 ] && [ $SECONDS -ge "${GPU_DEADLINE_S}" ]; then
+  notrun+=(figures)
+else figures >"$out/figures.log" 2>&1 || echo "(a figure run failed: $out/figures.log)"; fi
 for s in "${skipped[@]}"; do echo "NOT EXERCISED $s"; done
-echo "== $fails check(s) failed, ${#skipped[@]} not exercised; logs in $out"
+echo "== $fails check(s) failed, ${#skipped[@]} not exercised, ${#notrun[@]} not run" \
+  "(${notrun[*]:-}); logs in $out"
 echo "== table for docs/BENCHMARKS.md ($(git rev-parse --short HEAD 2>/dev/null), $(cat "$out/gpu.txt"))"
 $py "$here/gpu_table.py" "$out"/results/*/stages/s/summary.json | tee "$out/table.md"
+archive
 exit "$fails"
