@@ -38,10 +38,10 @@
 #   sampling_resume  data.sampling balanced + data.augment.policy trivialaugment on the device
 #                  loader (the policy on the GPU), deterministic: halted at step 15 and resumed
 #                  gives the same weights as straight through
-#   nondeterministic  a model with a CUDA op that has no deterministic kernel (bilinear
-#                  interpolate's backward, in torch.use_deterministic_algorithms's list of ops
-#                  that raise), deterministic: true: one message naming the op, exit 2, no
-#                  traceback
+#   nondeterministic  a model with a CUDA op that has no deterministic kernel (the first of four
+#                  in torch.use_deterministic_algorithms's list of ops that raise that does
+#                  raise on this torch), deterministic: true: one message naming the op, exit
+#                  2, no traceback
 # Each check prints one line: PASS/FAIL name (seconds): its figure (the log's last "figure:"
 # line, else its last line). What this machine could not run is listed as NOT EXERCISED.
 # Figures: ResNet-50 bf16 (channels_last and not), ResNet-18 32 px; table.md at the end.
@@ -312,16 +312,40 @@ c_tune() {  # a 3 GiB cap (the allocator's, on a GPU): the batch search meets re
   echo "figure: tuned $($py -c "import json, sys; print(json.load(open(sys.argv[1]))['choice'])" \
     "$out/results/tune/tune.json")"
 }
-c_nondet() {
+c_nondet() {  # an op with no deterministic CUDA kernel: one message naming it, exit 2
   mkdir -p "$out/code"
   cat >"$out/code/nondet_model.py" <<'PY'
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+# ops that torch.use_deterministic_algorithms lists among those that raise on CUDA (in their
+# backward); torch 2.11 trained through bilinear interpolate's backward (H200 run, exit 0), so
+# the check takes the first of these that raises on this torch (NONDET_OP)
+OPS = {
+    "adaptive_max_pool2d": lambda h: F.adaptive_max_pool2d(h, 5),
+    "interpolate_bilinear": lambda h: F.interpolate(h, scale_factor=2, mode="bilinear",
+                                                    align_corners=False),
+    "reflection_pad2d": lambda h: F.pad(h, (2, 2, 2, 2), mode="reflect"),
+    "grid_sample": lambda h: F.grid_sample(h, torch.zeros(h.shape[0], 4, 4, 2, device=h.device),
+                                           align_corners=False),
+}
+NONDET_OP = "adaptive_max_pool2d"
+
+
+def raises(name):  # True if this op's CUDA backward refuses deterministic mode
+    torch.use_deterministic_algorithms(True)
+    try:
+        x = torch.randn(2, 8, 9, 9, device="cuda", requires_grad=True)
+        OPS[name](x).sum().backward()
+        return False
+    except RuntimeError as e:
+        return "deterministic" in str(e)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def build(num_classes, in_channels):
-    # bilinear interpolate's CUDA backward (upsample_bilinear2d_backward) has no deterministic
-    # kernel: torch.use_deterministic_algorithms lists it among the ops that raise
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -329,16 +353,21 @@ def build(num_classes, in_channels):
             self.fc = nn.Linear(8, num_classes)
 
         def forward(self, x):
-            h = torch.nn.functional.interpolate(self.conv(x), scale_factor=2, mode="bilinear",
-                                                align_corners=False)
-            return self.fc(h.mean((2, 3)))
+            return self.fc(OPS[NONDET_OP](self.conv(x)).mean((2, 3)))
     return Net()
+
+
+if __name__ == "__main__":
+    print(next((name for name in OPS if raises(name)), ""))
 PY
+  local op; op=$(cd "$out/code" && $py nondet_model.py)
+  [ -n "$op" ] || { echo "figure: no listed op raises in deterministic mode on this torch"; return 77; }
+  sed -i "s/^NONDET_OP = .*/NONDET_OP = \"$op\"/" "$out/code/nondet_model.py"
   local c; c=$(cfg nondet smallcnn 32 2048 "loader: device" \
     "max_steps: 5, batch_size: 64, precision: fp32" "deterministic: true") || return 1
   sed -i "s|model: {name: smallcnn}|model: {name: 'nondet_model:build', code_dir: '$out/code'}|" "$c"
   timeout 120 $py -m ddpflow launch -c "$c" --stage s 2>"$out/nondet.err"; local rc=$?
-  cat "$out/nondet.err"; echo "figure: exit $rc: $(head -c 200 "$out/nondet.err")"
+  cat "$out/nondet.err"; echo "figure: $op: exit $rc: $(head -c 200 "$out/nondet.err")"
   [ $rc -eq 2 ] && grep -q "deterministic" "$out/nondet.err" && ! grep -q "Traceback" "$out/nondet.err"
 }
 c_fsdp() {  # FSDP2 + checkpointing on NCCL, halted and resumed; its memory against DDP's

@@ -27,10 +27,12 @@ COMPLETED = 5  # all-reduces that complete before the stuck one
 
 
 def hang(out: Path) -> None:
-    os.environ.update(hangreport.flight_recorder(out))  # before the process group exists
-    (out / RANKS).mkdir(parents=True, exist_ok=True)
     import torch
     import torch.distributed as dist
+
+    # read when the process group is made
+    os.environ.update(hangreport.flight_recorder(out, torch.__version__))
+    (out / RANKS).mkdir(parents=True, exist_ok=True)
 
     dist.init_process_group("nccl", timeout=timedelta(seconds=TIMEOUT_S),
                             device_id=torch.device("cuda", 0))

@@ -582,13 +582,29 @@ def test_the_launcher_deadline_kills_the_attempt_s_ranks_on_this_host(tmp_path, 
 
 
 def test_the_flight_recorder_is_on_unless_the_user_set_it(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
-    monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", raising=False)
+    for name in (*hangreport.BUFFER_VARIABLES, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
-    env = hangreport.flight_recorder(tmp_path)
-    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(hangreport.FLIGHT_ENTRIES),
-                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "ranks" /
-                                                          "nccl_trace_rank_")}
+    dump = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "ranks" / "nccl_trace_rank_")}
+    entries = str(hangreport.FLIGHT_ENTRIES)
+    # the buffer under the name this torch reads without a deprecation warning (2.11 on)
+    assert hangreport.flight_recorder(tmp_path, "2.14.1+cu130") == {
+        "TORCH_FR_BUFFER_SIZE": entries, **dump}
+    for new in ("2.11.0", "2.12.0a0+git1234", "3.0.1"):
+        assert "TORCH_FR_BUFFER_SIZE" in hangreport.flight_recorder(tmp_path, new), new
+    for old in ("2.10.9", "2.4.1+cu121", "1.13.0"):
+        assert hangreport.flight_recorder(tmp_path, old) == {
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": entries, **dump}, old
+    # the user's buffer size, under either name, is theirs: no second name beside it
+    for name in hangreport.BUFFER_VARIABLES:
+        monkeypatch.setenv(name, "50")
+        assert hangreport.flight_recorder(tmp_path, "2.14.1") == dump
+        assert hangreport.flight_recorder(tmp_path, "2.4.0") == dump
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/elsewhere/fr_")
+    assert hangreport.flight_recorder(tmp_path, "2.14.1") == {"TORCH_FR_BUFFER_SIZE": entries}
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT")
+    assert hangreport.flight_recorder(tmp_path, "2.14.1")["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert 0 < hangreport.FLIGHT_ENTRIES <= 10000  # bounded
 
 

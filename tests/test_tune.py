@@ -179,8 +179,10 @@ def test_tune_shows_each_candidate_ends_within_its_budget_and_stops_when_asked(t
     measured = [i for i, (_, msg) in enumerate(lines) if re.search(r"samples/s, data wait", msg)]
     # tune.json's `skipped` lists each candidate skipped (the budget spent, or it would end
     # past it) and each one cut to fewer timed steps, and each has its line
-    skipped = [i for i, (_, msg) in enumerate(lines) if re.search(r": skipped \(.*s (spent|are left)\)$", msg)]
-    cut = [i for i, (_, msg) in enumerate(lines) if re.search(r": cut to \d+ of \d+ timed steps", msg)]
+    skipped = [i for i, (_, msg) in enumerate(lines)
+               if re.search(r": skipped \(.*s (spent|are left)\)$", msg)]
+    cut = [i for i, (_, msg) in enumerate(lines)
+           if re.search(r": cut to \d+ of \d+ timed steps", msg)]
     assert len(measured) + len(skipped) >= 5 and len(skipped) + len(cut) == len(t["skipped"])
     # within its budget, however busy the machine: a candidate is checked in after the line
     # before it, so each one that ran began before tune.budget_s (by tune's own clock, that

@@ -17,7 +17,8 @@ A collective that does not complete fails on the ranks that wait in it: gloo rai
  6. writes `hang-<rank>.json`: its view, which the launcher reads (launch/hangreport.py).
 On NCCL the watchdog ends the process instead (TORCH_NCCL_ASYNC_ERROR_HANDLING=1) after the
 flight recorder wrote its dump (launcher.py sets it up); faulthandler, enabled in every rank,
-prints that rank's stack on the abort. (Unverified until a GPU run.)
+prints that rank's stack on the abort. (The dump was seen on one H200, one rank; a hang
+across several GPUs is unverified.)
 """
 
 from __future__ import annotations

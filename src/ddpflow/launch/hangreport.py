@@ -11,6 +11,7 @@ a stage whose collective hangs ends within `hardware.timeout_s` + HANG_MARGIN_S.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -30,6 +31,7 @@ HANG_MARGIN_S = KILL_AFTER_S + 15.0
 REPORT = "hang.json"  # the launcher's merged report, in the stage folder
 FLIGHT_PREFIX = "nccl_trace_rank_"  # the NCCL flight recorder's dumps, in `ranks/`
 FLIGHT_ENTRIES = 2000  # the flight recorder's ring buffer: the last collectives per rank
+BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # new, old name
 STACK_MAX_BYTES = 1 << 20  # a rank's stack file (threads and workers) is far smaller
 
 _RANKS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
@@ -44,10 +46,21 @@ VIEW_SCHEMA = {
                    "stacks": {"type": "string"}, "detected_at": {"type": "number"}}}
 
 
-def flight_recorder(out: Path) -> dict[str, str]:
+def buffer_variable(torch_version: str) -> str:
+    """The flight recorder's buffer variable that this torch reads without a warning: torch
+    2.11 calls TORCH_NCCL_TRACE_BUFFER_SIZE deprecated ("use TORCH_FR_BUFFER_SIZE instead",
+    seen on the H200 run); an older torch knows the NCCL name."""
+    major, minor = (int(p) for p in re.match(r"(\d+)\.(\d+)", torch_version).groups())
+    return BUFFER_VARIABLES[0] if (major, minor) >= (2, 11) else BUFFER_VARIABLES[1]
+
+
+def flight_recorder(out: Path, torch_version: str) -> dict[str, str]:
     """NCCL's flight recorder on (a bounded buffer), dumped on a collective's timeout into
-    the stage's `ranks/` folder; a variable the user set wins. (Unverified until a GPU run.)"""
-    want = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_ENTRIES),
+    the stage's `ranks/` folder; a variable the user set wins (the buffer's under either
+    name). Seen working on one H200 (torch 2.11): a timed-out all-reduce's dump, written
+    there (bench/gpu.sh's flight_recorder check)."""
+    user_buffer = any(name in os.environ for name in BUFFER_VARIABLES)
+    want = {**({} if user_buffer else {buffer_variable(torch_version): str(FLIGHT_ENTRIES)}),
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(out) / RANKS / FLIGHT_PREFIX)}
     return {k: v for k, v in want.items() if k not in os.environ}

@@ -226,7 +226,7 @@ def plan(cfg: Config, stage: str, resolved: Path, extra_args: list[str] = (),
     `ranks` is stage_ranks(cfg, stage) where the caller has it already."""
     n, device, env = ranks or stage_ranks(cfg, stage)
     if device == "cuda":  # the flight recorder's dump names the rank a collective waited for
-        env = {**env, **hangreport.flight_recorder(Path(resolved).parent)}
+        env = {**env, **hangreport.flight_recorder(Path(resolved).parent, torch.__version__)}
     train = ["--module", "ddpflow", command, "--resolved", quoting.path_arg(resolved),
              "--stage", stage, *extra_args]
     restarts = f"--max-restarts={cfg.hardware.max_restarts}"
