@@ -92,6 +92,10 @@ LOG_ROWS = [  # (class, argv after `ddpflow` ({c}: the config), words of the mes
     ("a name of a config or weights file", ["--log", "{t}/other.yaml", "validate", "--config",
                                             "{c}"],
      ["--log {t}/other.yaml: a log does not take the name of a .yaml file"]),
+    # a file the command finds itself (export reads the stage's final.pt and its checksum)
+    ("a checksum ddpflow keeps", ["--log", "{t}/final.pt.sha256", "validate", "--config", "{c}"],
+     ["--log {t}/final.pt.sha256: a log does not take the name of a .sha256 file",
+      "a checksum or lock ddpflow keeps"]),
     ("a folder", ["--log", "{t}", "validate", "--config", "{c}"], ["--log {t} is a folder"]),
     ("a FIFO", ["--log", "{t}/pipe.log", "validate", "--config", "{c}"],
      ["--log {t}/pipe.log is not a regular file"]),
@@ -116,6 +120,7 @@ def test_a_log_that_is_an_input_or_no_place_for_a_log_is_refused_before_anything
     (tmp_path / "init.log").write_bytes(b"starting weights")
     (tmp_path / "img.log").write_bytes(b"\x89PNG not really")
     (tmp_path / "other.yaml").write_text("mine: 1\n")
+    (tmp_path / "final.pt.sha256").write_text(f"{'0' * 64}  final.pt\n")
     os.link(cfg, tmp_path / "hard.log")
     (tmp_path / "sym.log").symlink_to(cfg)
     os.mkfifo(tmp_path / "pipe.log")
@@ -225,3 +230,22 @@ def test_an_empty_out_is_no_folder_the_log_could_be_inside(tmp_path, monkeypatch
         tmp_path.joinpath("run.log").relative_to(tmp_path)
     with pytest.raises(UserError, match="inside the --out folder"):
         checked_log("b/run.log", argparse.Namespace(out="b", log="b/run.log"))
+
+
+def test_an_input_that_cannot_be_compared_is_passed_over_for_the_next(tmp_path):
+    """check_log_place compares the log with each input by inode: one that cannot be
+    stat'd (gone since the command line was read) is passed over, not an error, and the
+    next input is still compared."""
+    from ddpflow.core.errors import UserError
+    from ddpflow.core.writing import check_log_place
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: t\n")
+    log = tmp_path / "c.log"
+    os.link(cfg, log)
+    gone = {"the --bundle": str(tmp_path / "gone" / "model.json")}
+    with pytest.raises(UserError) as e:
+        check_log_place(log, {**gone, "the --config": str(cfg)})
+    assert f"--log {log} is the --config of this command ({cfg})" in str(e.value)
+    assert check_log_place(tmp_path / "new.log", gone) == tmp_path / "new.log"
+    assert check_log_place(log, gone) == log

@@ -115,6 +115,13 @@ MANIFEST_ROWS = [("missing", "<missing>", ["does not exist", "ddpflow export"])]
      ["files.torchscript.file", "absolute path"]),
     ("symlink out", _set(MANIFEST, "files.torchscript.file", "link.ts"),
      ["files.torchscript.file", "symlink"]),
+    # a name no file system takes was an OSError read as a place that cannot be written
+    ("name too long", _set(MANIFEST, "files.torchscript.file", "m" * 300),
+     ["files.torchscript.file", "maxLength 255", " ... "]),
+    # a line break in a name would split the message into a line that reads like ddpflow's
+    ("name with a line break", _set(MANIFEST, "files.torchscript.file",
+                                    "model.ts\nddpflow: predictions written to x.csv"),
+     ["files.torchscript.file", "not allowed here (pattern"]),
 ]
 
 

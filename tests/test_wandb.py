@@ -5,6 +5,7 @@ step logged twice. What cannot work is one message before any rank starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -172,16 +173,22 @@ def test_an_offline_run_holds_what_was_logged_and_a_resumed_stage_continues_it(t
     t0 = time.time()
     while True:  # the ranks held still while W&B's last step is past the last checkpoint
         assert time.time() - t0 < 300 and proc.poll() is None, "no step past a checkpoint"
-        ranks = [k for k in psutil.Process(proc.pid).children(recursive=True)
-                 if "train" in k.cmdline() and "--resolved" in k.cmdline()]
-        for r in ranks:
-            r.suspend()
-        first = kept(stage)
-        if len(ranks) == 2 and ckpt_steps(stage) and first.get("last_step", -1) > max(
-                ckpt_steps(stage)):
-            break
-        for r in ranks:
-            r.resume()
+        ranks, held = [], []
+        try:  # a process listed here may end before it is held (start-up, a restart)
+            ranks = [k for k in psutil.Process(proc.pid).children(recursive=True)
+                     if "train" in k.cmdline() and "--resolved" in k.cmdline()]
+            for r in ranks:
+                r.suspend()
+                held.append(r)
+            first = kept(stage)
+            if len(ranks) == 2 and ckpt_steps(stage) and first.get("last_step", -1) > max(
+                    ckpt_steps(stage)):
+                break
+        except psutil.NoSuchProcess:
+            pass
+        for r in held:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                r.resume()
         time.sleep(0.05)
     kill_tree(proc)  # launcher, torchrun, ranks and wandb's service, at once
     resumed_from = ckpt_steps(stage)[-1]

@@ -335,7 +335,8 @@ def claim_file(path: str | Path, what: str, ours: Callable[[Path], bool],
 # files a log never replaces: what configs, weights, data, code and reports are named
 NOT_A_LOG = frozenset(".yaml .yml .json .jsonl .toml .py .smk .sh .ipynb .md .html .csv .tsv "
                       ".pt .pth .ckpt .bin .safetensors .onnx .ts .npy .npz .distcp .sif .gz "
-                      ".tgz .tar .zip .png .jpg .jpeg .webp .bmp .tif .tiff .gif".split())
+                      ".tgz .tar .zip .png .jpg .jpeg .webp .bmp .tif .tiff .gif .svg .pdf "
+                      ".sha256 .lock .pkl .pickle .parquet .h5 .hdf5".split())
 
 
 def check_log_place(path: str | Path, inputs: dict[str, str]) -> Path:
@@ -365,6 +366,6 @@ def check_log_place(path: str | Path, inputs: dict[str, str]) -> Path:
                         f"wrote in that folder; nothing was changed; {fix}")
     if path.suffix.lower() in NOT_A_LOG:
         raise UserError(f"--log {path}: a log does not take the name of a {path.suffix} file "
-                        f"(a config, weights, data or code); "
-                        f"nothing was changed; {fix}")
+                        f"(a config, weights, data, code, or a checksum or lock ddpflow "
+                        f"keeps); nothing was changed; {fix}")
     return path

@@ -65,7 +65,10 @@ CLASSIFIER_SCHEMA = {
                   "propertyNames": {"enum": sorted(FILES)},
                   "additionalProperties": {
                       "type": "object", "required": ["file", "sha256"],
-                      "properties": {"file": {"type": "string", "minLength": 1},
+                      # a name ddpflow wrote: one line, within a file name's limit
+                      "properties": {"file": {"type": "string", "minLength": 1,
+                                              "maxLength": 255,
+                                              "pattern": "^[^\\x00-\\x1f\\x7f]+$"},
                                      "sha256": _SHA256}}},
         "num_classes": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
         "classes": {"type": "array", "items": {"type": "string"}, "minItems": 1},

@@ -18,7 +18,7 @@ import torch
 
 from ddpflow.config import Config
 from ddpflow.core import lazydynamo, locks, quoting, reading
-from ddpflow.core.errors import UserError
+from ddpflow.core.errors import UserError, short
 from ddpflow.core.writing import remove_scratch, write_json_atomic
 from ddpflow.data import prepared
 from ddpflow.data.prepare import check_settings
@@ -209,10 +209,20 @@ def _model_on_meta(cfg: Config, meta: dict):
             out = model.eval()(torch.zeros(2, in_ch, h, w))
         except (NotImplementedError, TypeError):  # an op without a meta kernel: skip the probe
             out = None
-        except RuntimeError as e:
-            raise UserError(f"data.image_size {h} is too small for model.name "
-                            f"'{cfg.model.name}' ({str(e).splitlines()[0][:160]}); use larger "
-                            f"images or another model") from None
+        except Exception as e:  # the model's forward at the data's size, before any rank
+            cause = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            if cfg.model.kwargs:  # (smallcnn width 0: an IndexError in its batch norm)
+                raise UserError(f"model.name '{cfg.model.name}' with model.kwargs "
+                                f"{short(cfg.model.kwargs)} fails on a probe batch of {in_ch} x "
+                                f"{h} x {w} ({cause}); check the values of model.kwargs") \
+                    from None
+            if isinstance(e, RuntimeError):
+                raise UserError(f"data.image_size {h} is too small for model.name "
+                                f"'{cfg.model.name}' ({cause.partition(': ')[2]}); use "
+                                f"larger images or another model") from None
+            raise UserError(f"model.name '{cfg.model.name}' fails on a probe batch of {in_ch} "
+                            f"x {h} x {w} ({cause}); check its forward() with images of that "
+                            f"size") from None
     if out is not None:  # the seam contract's output rules (shapes: meta has no values)
         expected = contract.probe(cfg, meta)
         contract.check_outputs(out, f"model.name {cfg.model.name}", expected.task,
