@@ -45,35 +45,6 @@ def test_images_too_small_for_the_model_name_data_image_size(tmp_path):
     assert text.endswith("); use larger images or another model") and "RuntimeError" not in text
 
 
-def test_a_user_model_whose_forward_fails_otherwise_is_named_with_the_size(tmp_path,
-                                                                         monkeypatch):
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "probe_breaks.py").write_text(textwrap.dedent("""
-        from torch import nn
-
-        def build(num_classes, in_channels):
-            class Net(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.fc = nn.Linear(in_channels, num_classes)
-
-                def forward(self, x):
-                    if x.shape[-1] != 32:  # a model made for one size
-                        raise ValueError(f"expects 32 x 32 images, not {x.shape[-1]}")
-                    return self.fc(x.mean((2, 3)))
-            return Net()
-    """))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delitem(sys.modules, "probe_breaks", raising=False)
-    with pytest.raises(UserError) as e:
-        _probe(tmp_path, {"name": "probe_breaks:build", "code_dir": str(code)})
-    text = str(e.value)
-    assert text.startswith("model.name 'probe_breaks:build' fails on a probe batch of 3 x 16 "
-                           "x 16 (ValueError: expects 32 x 32 images, not 16); "), text
-    assert text.endswith("check its forward() with images of that size")
-
-
 def _user_model(tmp_path, monkeypatch, name, forward):
     code = tmp_path / "code"
     code.mkdir(exist_ok=True)
@@ -118,3 +89,17 @@ def test_a_user_dataset_s_model_is_only_built(tmp_path):
     model = _model_on_meta(cfg, {"kind": "python", "num_classes": 10, "in_channels": 3,
                                  "input_shape": [3, 16, 16]})
     assert next(model.parameters()).device.type == "meta"
+
+
+def test_a_user_model_whose_forward_fails_otherwise_is_named_with_the_size(tmp_path,
+                                                                         monkeypatch):
+    model = _user_model(tmp_path, monkeypatch, "probe_breaks", """
+        if x.shape[-1] != 32:  # a model made for one size
+            raise ValueError(f"expects 32 x 32 images, not {x.shape[-1]}")
+        return self.fc(x.mean((2, 3)))""")
+    with pytest.raises(UserError) as e:
+        _probe(tmp_path, model)
+    text = str(e.value)
+    assert text.startswith("model.name 'probe_breaks:build' fails on a probe batch of 3 x 16 "
+                           "x 16 (ValueError: expects 32 x 32 images, not 16); "), text
+    assert text.endswith("check its forward() with images of that size")
