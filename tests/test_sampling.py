@@ -369,3 +369,16 @@ def test_a_derived_seed_is_the_same_on_every_machine(keys, seed):
     from ddpflow.core.seeds import seed_sequence
 
     assert seed_sequence(*keys) == seed and 0 <= seed < 2**63
+
+
+def test_a_policy_over_no_keys_returns_the_batch_as_it_is():
+    """policies.apply with no kept samples (every sample of a batch dropped as bad) hands the
+    batch back untouched, without drawing anything."""
+    import torch
+
+    from ddpflow.data import policies
+
+    x = torch.randint(0, 255, (0, 8, 8, 3), dtype=torch.uint8)
+    state = torch.random.get_rng_state()
+    assert policies.apply(lambda img: img.flip(-1), x, []) is x
+    assert torch.equal(torch.random.get_rng_state(), state)
