@@ -34,7 +34,8 @@ def test_a_built_in_s_kwargs_value_that_breaks_its_forward_names_model_kwargs(tm
     text = str(e.value)
     assert text.startswith("model.name 'smallcnn' with model.kwargs {'width': 0} fails on a "
                            "probe batch of 3 x 16 x 16 (IndexError: "), text
-    assert text.endswith("check the values of model.kwargs") and "\n" not in text
+    assert text.endswith("check the values of model.kwargs (or data.image_size)")
+    assert "\n" not in text
 
 
 def test_images_too_small_for_the_model_name_data_image_size(tmp_path):

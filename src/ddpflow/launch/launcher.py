@@ -214,7 +214,8 @@ def _model_on_meta(cfg: Config, meta: dict):
             if cfg.model.kwargs:  # (smallcnn width 0: an IndexError in its batch norm)
                 raise UserError(f"model.name '{cfg.model.name}' with model.kwargs "
                                 f"{short(cfg.model.kwargs)} fails on a probe batch of {in_ch} x "
-                                f"{h} x {w} ({cause}); check the values of model.kwargs") \
+                                f"{h} x {w} ({cause}); check the values of model.kwargs (or "
+                                f"data.image_size)") \
                     from None
             if isinstance(e, RuntimeError):
                 raise UserError(f"data.image_size {h} is too small for model.name "
