@@ -101,12 +101,17 @@ def slurm_hosts() -> list[str]:
                         "nodes (no SLURM_JOB_NODELIST here); use --profile profiles/slurm "
                         "or sbatch --nodes=N, see docs/slurm.md")
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, check=True, timeout=30).stdout
+        r = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                           text=True, check=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
         raise UserError(f"cannot expand the Slurm node list '{nodelist}' with scontrol ({e})"
                         ) from None
-    return out.split()
+    hosts = r.stdout.split()
+    if not hosts:  # scontrol exits 0 on a list it cannot read, saying so on stderr only
+        why = r.stderr.strip().splitlines()[-1:] or ["no host names"]
+        raise UserError(f"cannot expand the Slurm node list '{nodelist}' with scontrol "
+                        f"({why[0]})")
+    return hosts
 
 
 def _job_nodelist(job: str | None) -> str | None:
