@@ -74,15 +74,20 @@ def _observed(t: TrialState, space: dict, rungs: list[int]):
                                      intermediate_values=nan, state=state)
 
 
+def startup_trials(samples: int) -> int:
+    """Random draws before TPE models the results: a quarter of the sweep's samples, at
+    least 2 (TPE needs two results to split into good and bad), at most Optuna's default."""
+    return min(STARTUP_MAX, max(2, samples // 4))
+
+
 def draw(space: dict, seed: int, number: int, samples: int, history: list[TrialState],
          rungs: list[int], mode: str) -> dict:
     """The overrides of draw `number` (0-based) given the trials so far."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    startup = min(STARTUP_MAX, max(2, samples // 4))
     sampler = optuna.samplers.TPESampler(seed=(seed * 1_000_003 + number) % 2**32,
-                                         n_startup_trials=startup)
+                                         n_startup_trials=startup_trials(samples))
     study = optuna.create_study(direction="maximize" if mode == "max" else "minimize",
                                 sampler=sampler)
     for t in sorted(history, key=lambda t: t.number):
