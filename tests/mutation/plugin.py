@@ -82,6 +82,9 @@ class Server:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session):
         items = {item.nodeid: item for item in session.items}
+        # a mutant may signal the wrong process (a pid off by one, its parent): the server
+        # outlives it, and each child starts with the handlers the tests expect
+        self.signals = {s: signal.signal(s, signal.SIG_IGN) for s in SERVER_IGNORES}
         out = open(self.plan["out"], "a", buffering=1)
         todo = list(self.plan["mutants"])
         jobs = max(1, int(self.plan.get("jobs", 1)))
@@ -137,6 +140,8 @@ class Server:
             from _pytest.runner import runtestprotocol
 
             os.setsid()
+            for s, handler in self.signals.items():
+                signal.signal(s, handler)
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, 0)
             os.dup2(null, 1)
@@ -168,6 +173,9 @@ class Server:
             code = 0
         finally:
             os._exit(code)
+
+
+SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _kill_group(pid: int) -> None:
