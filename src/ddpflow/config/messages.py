@@ -92,4 +92,5 @@ def message(err: jsonschema.ValidationError) -> str:
         return f"{where}: {short(err.instance)} is longer than {err.validator_value} characters"
     if err.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         return f"{where}: {short(err.instance)} {err.message.split(' ', 1)[1]}"
-    return f"{where}: {short(err.message, 200)}"
+    text = " ".join(err.message.split())  # jsonschema's own words, on one line, capped
+    return f"{where}: {text if len(text) <= 200 else text[:196] + ' ...'}"

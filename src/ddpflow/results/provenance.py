@@ -87,6 +87,7 @@ def git_revision(repo: Path) -> str:
     try:
         out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        # (a repository without a commit prints "HEAD" and fails: no revision either)
+        return (out.stdout.strip() or "unknown") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

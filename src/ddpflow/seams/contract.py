@@ -224,14 +224,14 @@ def check_item(item, index: int, factory_name: str, split: str, in_channels: int
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise UserError(f"{where} is {describe(item)}; expected an (input, target) pair")
     x, y = item
-    bad = next((v for v in _leaves(item) if not isinstance(
+    bad = next((type(v) for v in _leaves(item) if not isinstance(  # a type: None is one too
         v, (torch.Tensor, np.ndarray, numbers.Number))), None)
     if any(isinstance(v, (tuple, list, dict)) and not v for v in item):
         raise UserError(f"{where} is {describe(item)}: an empty input or target")
     if bad is not None:
         hint = " (add a transform that makes a tensor, e.g. ToTensor)" \
-            if "Image" in type(bad).__name__ else ""
-        raise UserError(f"{where} holds {type(bad).__name__}{hint}, not tensors; expected "
+            if "Image" in bad.__name__ else ""
+        raise UserError(f"{where} holds {bad.__name__}{hint}, not tensors; expected "
                         f"tensors, arrays or numbers")
     if any(_nonfinite(v) for v in _leaves(item)):
         part = "input" if any(_nonfinite(v) for v in _leaves(x)) else "target"
