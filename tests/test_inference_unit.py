@@ -34,6 +34,7 @@ from ddpflow.results.provenance import expected_record
 from ddpflow.results.summary import write_summary
 from ddpflow.seams.contract import probe
 from ddpflow.seams.models import build_model
+from test_evaluate import MODEL as EVALUATE_MODEL
 
 
 def _refusal(fn, *args, **kw) -> str:
@@ -965,24 +966,7 @@ def test_the_bytes_of_a_models_weights(tmp_path):
     assert weights_bytes(model) == (12 + 4 + 8 + 8) * 4 + 8
 
 
-ODD = '''
-import torch
-
-
-class Odd(torch.nn.Module):
-    """A model the ONNX exporter cannot translate (svdvals), TorchScript can."""
-
-    def __init__(self, num_classes, in_channels):
-        super().__init__()
-        self.fc = torch.nn.Linear(in_channels * 16 * 16, num_classes)
-
-    def forward(self, x):
-        return self.fc(x.flatten(1)) + 0 * torch.linalg.svdvals(x[:, 0]).sum(1, keepdim=True)
-
-
-def build(num_classes, in_channels):
-    return Odd(num_classes, in_channels)
-'''
+ODD = EVALUATE_MODEL  # a model the ONNX exporter cannot translate, TorchScript can
 
 
 @pytest.fixture(scope="module")

@@ -139,9 +139,9 @@ def test_a_foreign_folder_is_refused_naming_at_most_five_of_its_files(tmp_path, 
     assert sorted(os.listdir(target)) == [f"f{i}" for i in range(n)]
 
 
-def test_a_failed_swap_puts_the_old_folder_back(tmp_path, monkeypatch):
-    target = tmp_path / "bundle"
-    writing.build_folder(target, _build("old"), "the bundle")
+def _partial_cannot_move(monkeypatch) -> None:
+    """os.replace fails for the built folder only (a fault injected: a rename across
+    devices), as it would after the old target was moved aside."""
     real = os.replace
 
     def replace(src, dst):
@@ -150,6 +150,12 @@ def test_a_failed_swap_puts_the_old_folder_back(tmp_path, monkeypatch):
         return real(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
+
+
+def test_a_failed_swap_puts_the_old_folder_back(tmp_path, monkeypatch):
+    target = tmp_path / "bundle"
+    writing.build_folder(target, _build("old"), "the bundle")
+    _partial_cannot_move(monkeypatch)
     with pytest.raises(OSError):
         writing.build_folder(target, _build("new"), "the bundle")
     monkeypatch.undo()
@@ -270,14 +276,7 @@ def test_free_space_is_asked_in_the_name_of_the_place_being_written(tmp_path):
 
 def test_a_failed_move_into_a_new_place_keeps_its_error_and_leaves_nothing(tmp_path,
                                                                              monkeypatch):
-    real = os.replace
-
-    def replace(src, dst):
-        if ".partial-" in Path(src).name:
-            raise OSError(errno.EXDEV, "Invalid cross-device link")
-        return real(src, dst)
-
-    monkeypatch.setattr(os, "replace", replace)
+    _partial_cannot_move(monkeypatch)
     with pytest.raises(OSError) as e:
         writing.build_folder(tmp_path / "bundle", _build("new"), "the bundle")
     assert e.value.errno == errno.EXDEV
