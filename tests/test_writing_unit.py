@@ -272,6 +272,11 @@ def test_free_space_is_asked_in_the_name_of_the_place_being_written(tmp_path):
             writing.require_free_space(tmp_path, 1 << 62, "its shards")
     assert str(e.value).startswith(f"not enough free space for the bundle at "
                                    f"{tmp_path / 'bundle'}: about "), e.value
+    with writing.writing(tmp_path / "other", "the report"):
+        pass
+    with pytest.raises(UserError) as e:  # outside: the place is its own again
+        writing.require_free_space(tmp_path, 1 << 62, "its shards")
+    assert str(e.value).startswith(f"not enough free space for its shards at {tmp_path}: "), e
 
 
 def test_a_failed_move_into_a_new_place_keeps_its_error_and_leaves_nothing(tmp_path,
