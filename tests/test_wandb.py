@@ -180,6 +180,11 @@ def test_an_offline_run_holds_what_was_logged_and_a_resumed_stage_continues_it(t
             for r in ranks:
                 r.suspend()
                 held.append(r)
+            # SIGSTOP lands asynchronously: read what the run kept only once both ranks
+            # have stopped (a keep() in flight would otherwise land after the read)
+            while any(r.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+                      for r in held):
+                time.sleep(0.01)
             first = kept(stage)
             if len(ranks) == 2 and ckpt_steps(stage) and first.get("last_step", -1) > max(
                     ckpt_steps(stage)):
