@@ -55,6 +55,7 @@ def test_outside_an_allocation_the_node_list_is_one_message(no_job):
 
 
 @pytest.mark.parametrize("nodelist, path", [("n[a-b]", None), ("ddpn[2-1]", None),
+                                           ("ddpn[1-2", None), ("vm,ddpn[1-2", None),
                                            ("ddpn[1-2]", "")])
 def test_a_node_list_scontrol_cannot_expand_is_one_message(no_job, nodelist, path):
     """A list scontrol cannot read (it exits 0 and prints nothing), or no scontrol on PATH:
@@ -66,7 +67,9 @@ def test_a_node_list_scontrol_cannot_expand_is_one_message(no_job, nodelist, pat
         slurmnodes.slurm_hosts()
     assert str(e.value).startswith(f"cannot expand the Slurm node list '{nodelist}' with "
                                    f"scontrol ("), e.value
-    if path is None:  # scontrol's own words, its last line
+    if nodelist.endswith("[1-2"):  # a range left open: scontrol makes 'ddpn]' of it
+        assert str(e.value).endswith("ddpn]')"), e.value
+    elif path is None:  # scontrol's own words, its last line
         assert str(e.value).endswith(f"(Invalid hostlist: {nodelist})"), e.value
 
 

@@ -107,8 +107,10 @@ def slurm_hosts() -> list[str]:
         raise UserError(f"cannot expand the Slurm node list '{nodelist}' with scontrol ({e})"
                         ) from None
     hosts = r.stdout.split()
-    if not hosts:  # scontrol exits 0 on a list it cannot read, saying so on stderr only
-        why = r.stderr.strip().splitlines()[-1:] or ["no host names"]
+    # scontrol exits 0 on a list it cannot read, saying so on stderr only, and expands an
+    # unclosed range ('n[1-2') to a bracket ('n]'): no host name holds one
+    if not hosts or any("[" in h or "]" in h for h in hosts):
+        why = r.stderr.strip().splitlines()[-1:] or [f"it expands to {' '.join(hosts)!r}"]
         raise UserError(f"cannot expand the Slurm node list '{nodelist}' with scontrol "
                         f"({why[0]})")
     return hosts
