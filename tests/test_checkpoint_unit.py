@@ -313,11 +313,13 @@ def test_latest_valid_is_the_newest_of_this_stage_and_names_each_one_skipped(tmp
     checkpoint.write_atomic(junk, b"not a torch file")
     digest = hashlib.sha256(b"not a torch file").hexdigest()
     checkpoint.write_atomic(Path(f"{junk}.sha256"), f"{digest}  {junk.name}\n".encode())
+    checkpoint.save_file(tmp_path / "ckpt-000000007.pt", [7, "k"])  # verifies, is no state
     said, warn = _warnings()
     path, state = checkpoint.latest_valid(tmp_path, "k", warn=warn)
     assert path == tmp_path / "ckpt-000000003.pt" and state == {"step": 3, "resume_key": "k"}
     skip = "ddpflow: warning: skipping checkpoint"
     assert said == [
+        f"{skip} ckpt-000000007.pt: holds a list, not a ddpflow checkpoint",
         f"{skip} ckpt-000000006.pt: cannot be loaded (UnpicklingError)",
         f"{skip} ckpt-000000005.pt: no checksum file (the write did not finish)",
         f"{skip} ckpt-000000004.pt: checksum mismatch (truncated or corrupt)"]
@@ -327,7 +329,7 @@ def test_latest_valid_is_the_newest_of_this_stage_and_names_each_one_skipped(tmp
     assert said[-1] == (f"{skip} ckpt-000000003.pt: written with another config, code or "
                         f"starting weights")
     said, warn = _warnings()
-    assert checkpoint.latest_valid(tmp_path, "none", warn=warn) is None and len(said) == 6
+    assert checkpoint.latest_valid(tmp_path, "none", warn=warn) is None and len(said) == 7
     assert checkpoint.latest_valid(tmp_path / "missing", "k") is None
 
 

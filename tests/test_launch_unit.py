@@ -83,6 +83,10 @@ def test_the_gpus_are_those_cuda_visible_devices_names(monkeypatch):
     assert slots.gpu_ids() == ["3", "GPU-1a2b"]  # an empty entry and -1 name no GPU
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert slots.gpu_ids() == []  # set and empty: no GPU, whatever the driver says
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0, 2,-1,1")
+    assert slots.gpu_ids() == ["0", "2"]  # spaces go; CUDA hides every GPU after a -1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", " 5 ")
+    assert slots.gpu_ids() == ["5"]
 
 
 def test_without_cuda_visible_devices_the_driver_counts_the_gpus(tmp_path, monkeypatch):

@@ -257,9 +257,12 @@ def latest_valid(folder: Path, resume_key: str, warn=print) -> tuple[Path, dict]
             except Exception as e:  # noqa: BLE001 - an unreadable file is skipped, not fatal
                 problem = f"cannot be loaded ({type(e).__name__})"
             else:
-                if state.get("resume_key") == resume_key:
+                if not isinstance(state, dict):  # a file someone else saved under our name
+                    problem = f"holds a {type(state).__name__}, not a ddpflow checkpoint"
+                elif state.get("resume_key") == resume_key:
                     return path, state
-                problem = "written with another config, code or starting weights"
+                else:
+                    problem = "written with another config, code or starting weights"
         warn(f"ddpflow: warning: skipping checkpoint {path.name}: {problem}", file=sys.stderr)
     return None
 

@@ -45,7 +45,13 @@ def gpu_ids() -> list[str]:
     the caller's CUDA_VISIBLE_DEVICES, else NVML, else nvidia-smi, else none."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return [g for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+        ids = []
+        for g in visible.split(","):
+            g = g.strip()  # "0, 1" names GPU 1, not " 1"
+            if not g or g.startswith("-"):
+                break  # CUDA stops at the first invalid entry: "0,2,-1,1" shows 0 and 2 only
+            ids.append(g)
+        return ids
     try:
         import pynvml
 

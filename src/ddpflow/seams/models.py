@@ -150,8 +150,9 @@ def param_count(model: nn.Module) -> int:
 def count_text(n: int) -> str:
     """A count as people say it: 812, 3.8 k, 11.2 M, 1.3 G (a 3.8 k model is not "0.00 M")."""
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
+        text = f"{n / size:.3g}"
+        if float(text) >= 1:  # as rounded: 999,999 is "1 M", not "1e+03 k"
+            return f"{text} {unit}"
     return str(n)
 
 
