@@ -68,3 +68,22 @@ def test_the_inputs_a_config_names_are_named_by_their_key(tmp_path):
     cfg.write_text(f"stages:\n  - name: a\n    init_from: {init}\n")
     found = command_inputs(argparse.Namespace(config=str(cfg), log="x.log"))
     assert found == {"the --config": str(cfg), "the file stages.0.init_from names": str(init)}
+
+
+def test_a_resume_key_leaves_out_where_the_stage_runs_and_a_stage_hash_does_not():
+    """Resuming on 4 GPUs what ran on 2 (or with activation checkpointing turned on) is the
+    same training (placement=False, the resume key), but a result made elsewhere is not the
+    same output (placement=True, the rerun rule)."""
+    def cfg(nproc: int, ac: bool) -> dict:
+        return {"seed": 0, "run": {"name": "x"},
+                "hardware": {"nproc_per_node": nproc, "devices": "auto", "rdzv_port": 1},
+                "stages": [{"name": "a", "epochs": 1, "activation_checkpointing": ac},
+                           {"name": "b", "epochs": 2, "activation_checkpointing": ac}]}
+    base = cfg(2, False)
+    for moved in (cfg(4, False), cfg(2, True)):
+        for stage in ("a", "b"):
+            assert stage_hash(moved, stage, placement=False) == stage_hash(base, stage, False)
+            assert stage_hash(moved, stage) != stage_hash(base, stage)
+    # what the stage computes is never left out, and the dict given is not changed
+    assert stage_hash({**base, "seed": 1}, "a", False) != stage_hash(base, "a", False)
+    assert base["hardware"]["nproc_per_node"] == 2 and "run" in base

@@ -127,9 +127,8 @@ def resolve(word: str) -> tuple[str | None, str | None]:
 def options(extra: str) -> list[tuple[str, str]] | str:
     """slurm.extra's words as sbatch parses them: [(written, long option)], or the problem
     (one sentence naming the word)."""
-    words, out, i = extra.split(), [], 0
-    while i < len(words):
-        w = words[i]
+    words, out = iter(extra.split()), []
+    for w in words:
         if w == "--" or not w.startswith("-") or w == "-":
             return (f"has {w!r}, which is no option: sbatch would take it (and every word "
                     f"after it) as the job's script")
@@ -140,26 +139,20 @@ def options(extra: str) -> list[tuple[str, str]] | str:
             arg, has_value = LONG[name], "=" in w
             if arg == NONE and has_value:
                 return f"has {w}, but --{name} takes no value"
-            if arg == REQUIRED and not has_value:
-                if i + 1 == len(words):
-                    return f"ends with {w}, which needs a value"
-                i += 1
+            # the next word is its value (split() words are never empty: None is the end)
+            if arg == REQUIRED and not has_value and next(words, None) is None:
+                return f"ends with {w}, which needs a value"
             out.append((w.partition("=")[0], name))
-        else:
-            j = 1
-            while j < len(w):
-                name = SHORT.get(w[j])
-                if name is None:
-                    return f"has -{w[j]} (in {w}), which is not an sbatch option"
-                out.append((f"-{w[j]}", name))
-                if LONG[name] != NONE:  # the rest of the word, or the next word, is its value
-                    if LONG[name] == REQUIRED and j + 1 == len(w):
-                        if i + 1 == len(words):
-                            return f"ends with {w}, which needs a value"
-                        i += 1
-                    break
-                j += 1
-        i += 1
+            continue
+        for j in range(1, len(w)):  # -vN: flags bundled, the first that takes a value ends it
+            name = SHORT.get(w[j])
+            if name is None:
+                return f"has -{w[j]} (in {w}), which is not an sbatch option"
+            out.append((f"-{w[j]}", name))
+            if LONG[name] != NONE:  # the rest of the word, or the next word, is its value
+                if LONG[name] == REQUIRED and j + 1 == len(w) and next(words, None) is None:
+                    return f"ends with {w}, which needs a value"
+                break
     return out
 
 
