@@ -162,7 +162,8 @@ def _check_images(data: dict[str, Any]) -> None:
         big = data["source"] not in SMALL_SOURCES
         data["store_size"] = int(round(size * STORE_MARGIN)) if big else size
     if data["store_size"] < size:
-        what = "augment.random_resized_crop crops from" if rrc else "training and validation crop"
+        what = ("augment.random_resized_crop crops from" if rrc is not None
+                else "training and validation crop")
         raise UserError(f"invalid config: data.store_size {data['store_size']} is smaller than "
                         f"data.image_size {size}; the {what} the stored image: set store_size "
                         f">= {size} (or null)")

@@ -33,14 +33,16 @@ class _StrictLoader(yaml.SafeLoader):
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
                 key = self.construct_object(key_node, deep=True)
+                # where the key is written: a flow mapping ({lr: 1, lr: 2}) is on one line
+                at = (key_node.start_mark.line + 1, key_node.start_mark.column)
                 try:
-                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                    first = seen.setdefault(key, at)
                 except TypeError:  # an unhashable key: the base class reports it
                     continue
-                if first != key_node.start_mark.line + 1:
-                    raise UserError(f"duplicate key {short(key)} at line "
-                                    f"{key_node.start_mark.line + 1} (first at line {first}); "
-                                    f"YAML would silently keep only the last one: remove one")
+                if first != at:
+                    raise UserError(f"duplicate key {short(key)} at line {at[0]} (first at "
+                                    f"line {first[0]}); YAML would silently keep only the last "
+                                    f"one: remove one")
         return super().construct_mapping(node, deep)
 
 
@@ -108,8 +110,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         try:
             node = loader.get_single_node()
             if node is not None and _expanded_size(node, {}, set()) > MAX_YAML_NODES:
-                raise UserError(f"config file {p} expands to more than {MAX_YAML_NODES} "
-                                f"values through YAML aliases; refused (write it out)")
+                raise UserError(f"it expands to more than {MAX_YAML_NODES} values through "
+                                f"YAML aliases; refused (write it out)")
             raw = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()

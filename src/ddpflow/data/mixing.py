@@ -106,4 +106,4 @@ def resize(x: torch.Tensor, size: int) -> torch.Tensor:
     if x.shape[-1] == size and x.shape[-2] == size:
         return x
     return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False,
-                         antialias=size < x.shape[-1])
+                         antialias=size < max(x.shape[-2:]))
