@@ -46,7 +46,7 @@ def check_settings(cfg: Config, meta: dict[str, Any]) -> None:
     then = meta.get("settings") or {}
     now = settings(cfg)
     diff = [f"{k}: {short(then.get(k))} -> {short(v)}" for k, v in now.items()
-            if then.get(k) != v] or ["(recorded by an older ddpflow)"]
+            if then.get(k) != v] or ["recorded by an older ddpflow"]
     raise UserError(f"the prepared data at {cfg.data_dir} was made with other data settings "
                     f"({'; '.join(diff[:4])}); run `ddpflow prepare --config ...` to prepare "
                     f"it again (the workflow does this by itself)")
