@@ -531,12 +531,13 @@ def test_a_cpu_has_no_peak_and_no_gpu_samples():
     assert GpuSampler([]).interval() == (None, None)
 
 
-def test_flops_of_a_step_are_counted_forward_and_backward():
+def test_flops_of_a_step_are_counted_forward_and_backward(capsys):
     from ddpflow.engine.efficiency import FlopCount
 
     layer = nn.Linear(8, 4, bias=False)
     with FlopCount() as counter:
         layer(torch.rand(5, 8)).sum().backward()
+    assert capsys.readouterr().out == ""  # counted quietly: no table in the training log
     assert counter.total == 2 * (2 * 5 * 8 * 4)  # forward, and the weight gradient
     assert FlopCount().total is None
     with pytest.raises(ZeroDivisionError):  # an error inside is the caller's, as it was
@@ -588,6 +589,7 @@ def test_the_flops_of_one_replica_are_scaled_to_the_batch():
     with FlopCount() as one:
         step(layer, torch.rand(4, 8))
     assert flops == one.total * 10 // 4 and layer.weight.grad is not None  # the second step
+    assert type(flops) is int  # a count, as summary.json records it
     assert replicas(layer) == 1 and replicas(nn.DataParallel(layer)) == 1  # no GPUs here
 
 
