@@ -1097,3 +1097,30 @@ def test_py_spy_where_installed_dumps_the_rank_that_does_not_answer(tmp_path, mo
                 f"py-spy dump --pid {child.pid}\nto stderr\n")
     finally:
         beat.close()
+
+
+@pytest.mark.parametrize("script, said", [
+    ("#!/bin/sh\nsleep 30\n", "(py-spy gave no stack within 0.6 s)\n"),
+    ("not a program\n", "(py-spy could not run: Exec format error)\n")])
+def test_a_py_spy_that_hangs_or_cannot_run_is_noted_and_the_report_goes_on(
+        tmp_path, monkeypatch, script, said):
+    """py-spy is the user's install: one that hangs (a rank in uninterruptible I/O) or is
+    not a program costs a line in the stack file, not the diagnosing rank's hang report."""
+    from ddpflow.engine import hang, heartbeat
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "py-spy").write_text(script)
+    (bin_ / "py-spy").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(hang, "STACK_WAIT_S", 0.2)
+    beat = heartbeat.Heartbeat(tmp_path / "f", 0, 2)
+    heartbeat.stack_file(tmp_path / "f", 0).write_text("mine")
+    try:
+        with _rank_1(tmp_path / "f") as child:
+            assert hang.fetch_stacks(beat, {1: {"host": beat.host, "pid": child.pid}}) == \
+                "py-spy"
+            assert heartbeat.stack_file(tmp_path / "f", 1).read_text() == (
+                f"== stack of rank 1 (host {beat.host}, pid {child.pid}), by py-spy:\n{said}")
+    finally:
+        beat.close()

@@ -137,9 +137,17 @@ def fetch_stacks(beat: hb.Heartbeat, beats: dict[int, dict]) -> str:
                        f"== stack of rank {rank} (host {b['host']}, pid {b['pid']}), "
                        f"by {'py-spy' if spy else 'faulthandler (SIGUSR2)'}:\n")
         if spy:
-            out = subprocess.run([spy, "dump", "--pid", str(b["pid"])], capture_output=True,
-                                 text=True, timeout=STACK_WAIT_S * 3)
-            hb.append_text(hb.stack_file(beat.folder, rank), out.stdout + out.stderr)
+            # a py-spy that hangs or cannot run must not cost this rank its hang report
+            limit = STACK_WAIT_S * 3  # seconds: a dump takes well under one
+            try:
+                out = subprocess.run([spy, "dump", "--pid", str(b["pid"])],
+                                     capture_output=True, text=True, timeout=limit)
+                said = out.stdout + out.stderr
+            except subprocess.TimeoutExpired:
+                said = f"(py-spy gave no stack within {limit:g} s)\n"
+            except OSError as e:
+                said = f"(py-spy could not run: {e.strerror or type(e).__name__})\n"
+            hb.append_text(hb.stack_file(beat.folder, rank), said)
         else:
             os.kill(b["pid"], hb.STACK_SIGNAL)
             signalled = True
