@@ -389,8 +389,8 @@ def grey_val(split):
 def _user_cfg(tmp_path, factory, **data):
     code = tmp_path / "code"
     code.mkdir(exist_ok=True)
-    (code / "userdata.py").write_text(USER)
-    return _cfg(tmp_path, **{"source": "python", "factory": f"userdata:{factory}",
+    (code / "prepunitdata.py").write_text(USER)
+    return _cfg(tmp_path, **{"source": "python", "factory": f"prepunitdata:{factory}",
                              "code_dir": str(code), **data})
 
 
@@ -406,7 +406,7 @@ def test_a_user_dataset_read_as_it_is_is_described_and_prepared_again(tmp_path, 
         "sha256": {}, "format_version": prepared.FORMAT_VERSION}
     assert prep.describe(meta, cfg.data_dir, True) == (
         f"prepared python -> {cfg.data_dir}\n"
-        f"  data.factory userdata:named: train 12, val 6, test 0 items, input shape [3, 8, 8], "
+        f"  data.factory prepunitdata:named: train 12, val 6, test 0 items, input shape [3, 8, 8], "
         f"num_classes 3 (read through DataLoader when training)")
     assert prep.prepare(cfg) == (meta, False)
     # other settings: the folder (ddpflow's, meta.json included) is replaced
