@@ -88,3 +88,36 @@ def image_tree(root: Path, classes=("cat", "dog", "fish"), per_class=12, size=(4
     for j in range(broken):
         (root / classes[j % len(classes)] / f"broken{j}.jpg").write_bytes(b"\xff\xd8 not a jpeg")
     return root
+
+
+def gloo_ranks(tmp_path: Path, body: str, n: int, config: dict) -> list:
+    """`body` on n gloo ranks started as torchrun starts them (its environment; d: the Dist,
+    root: tmp_path; config: the config dict the ranks resolve); each rank's (last stdout line
+    as JSON, stderr), in rank order."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text("import json, os, sys, time\nfrom pathlib import Path\nimport torch\n"
+                      "from ddpflow.config import from_dict\n"
+                      "from ddpflow.engine import distributed\n"
+                      "cfg = from_dict(json.loads(os.environ['DDPFLOW_TEST_CFG']))\n"
+                      "d = distributed.setup(cfg.hardware)\nroot = Path(sys.argv[1])\n" + body
+                      + "\ndistributed.teardown(d)\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DDPFLOW_TEST_CFG": json.dumps(config),
+           "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(n)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    return [(json.loads(out.strip().splitlines()[-1]), err) for out, err in outs]

@@ -38,6 +38,7 @@ from ddpflow.engine.ema import Ema
 from ddpflow.engine.runtime import weights_sha256
 from ddpflow.engine.state import StageFiles, TrainState
 from ddpflow.results.provenance import make_record
+from fixtures import gloo_ranks
 
 
 def _refusal(fn, *args, **kw) -> str:
@@ -1131,31 +1132,8 @@ def test_a_sharded_stages_checkpointer_saves_shards_best_pt_and_restores_them(tm
 # ------------------------------------------------------------------ on several ranks
 
 def _ranks(tmp_path: Path, body: str, n: int) -> list:
-    """`body` on n gloo ranks started as torchrun starts them (its environment; d: the Dist,
-    root: tmp_path); each rank's last stdout line, parsed as JSON, in rank order."""
-    import socket
-
-    script = tmp_path / "ranks.py"
-    script.write_text("import json, os, sys\nfrom pathlib import Path\nimport torch\n"
-                      "from ddpflow.config import from_dict\n"
-                      "from ddpflow.engine import distributed\n"
-                      "cfg = from_dict(json.loads(os.environ['DDPFLOW_TEST_CFG']))\n"
-                      "d = distributed.setup(cfg.hardware)\nroot = Path(sys.argv[1])\n" + body
-                      + "\ndistributed.teardown(d)\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "DDPFLOW_TEST_CFG": json.dumps(tiny_config(tmp_path)),
-           "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for r in range(n)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, out + err
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    """`body` on n gloo ranks (tests/fixtures.py gloo_ranks): each rank's JSON line."""
+    return [out for out, _err in gloo_ranks(tmp_path, body, n, tiny_config(tmp_path))]
 
 
 _OTHER_RUNS = """

@@ -38,6 +38,7 @@ from ddpflow.engine.step import (
 )
 from ddpflow.results.metrics import MetricsLog
 from ddpflow.results.wallclock import WallClock
+from fixtures import gloo_ranks
 
 # ------------------------------------------------------------------ stagelog
 
@@ -752,32 +753,8 @@ def test_a_log_line_of_another_rank_or_with_a_stop_signal(tmp_path, monkeypatch)
 # ------------------------------------------------------------------ on several ranks
 
 def _ranks(tmp_path, body: str, n: int) -> list:
-    """`body` on n gloo ranks started as torchrun starts them (its environment; d: the Dist,
-    root: tmp_path); each rank's (last stdout line as JSON, stderr), in rank order."""
-    import socket
-    import subprocess
-
-    script = tmp_path / "ranks.py"
-    script.write_text("import json, os, sys, time\nfrom pathlib import Path\nimport torch\n"
-                      "from ddpflow.config import from_dict\n"
-                      "from ddpflow.engine import distributed\n"
-                      "cfg = from_dict(json.loads(os.environ['DDPFLOW_TEST_CFG']))\n"
-                      "d = distributed.setup(cfg.hardware)\nroot = Path(sys.argv[1])\n" + body
-                      + "\ndistributed.teardown(d)\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "DDPFLOW_TEST_CFG": json.dumps(tiny_config(tmp_path)),
-           "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for r in range(n)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, out + err
-    return [(json.loads(out.strip().splitlines()[-1]), err) for out, err in outs]
+    """`body` on n gloo ranks (tests/fixtures.py gloo_ranks): (JSON, stderr) per rank."""
+    return gloo_ranks(tmp_path, body, n, tiny_config(tmp_path))
 
 
 _LOG_LINES = """
