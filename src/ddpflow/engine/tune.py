@@ -239,7 +239,8 @@ def choose(p: Probe, agreed: int, precision: str, device_ok: bool) -> tuple:
     and layout; each choice rank 0's (broadcast). What the budget left unmeasured is
     skipped: then the largest fitting batch, the default loader and the stage's precision."""
     cfg, dist = p.cfg, p.dist
-    candidates = sorted({b for b in (2 ** k for k in range(20)) if agreed // 8 <= b <= agreed}
+    candidates = sorted({b for b in (2 ** k for k in range(agreed.bit_length()))
+                         if agreed // 8 <= b <= agreed}
                         | {agreed})
     default = ("device" if device_ok else "dataloader", cfg.data.num_workers,
                cfg.data.prefetch_factor)
