@@ -76,9 +76,9 @@ def probe(model: nn.Module, shape: tuple[int, ...], autocast, device: torch.devi
     random batch of `shape` (seconds per step in each layout; channels_last_s None and the
     error's first line when the model raises in channels_last), or None when its output is
     not a tensor. The model is left as it was (layout, statistics, random stream, grads)."""
-    x = torch.randn(shape, device=device)
     out = {"batch": shape[0], "channels_last_error": None}
-    with untouched(model):
+    with untouched(model):  # the batch's draw too: a probe leaves the random stream as it was
+        x = torch.randn(shape, device=device)
         out["nchw_s"] = _step_seconds(model, x, autocast, reps)
         model.to(memory_format=torch.channels_last)
         try:
