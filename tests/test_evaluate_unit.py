@@ -22,47 +22,11 @@ from PIL import Image
 from conftest import tiny_config, write_config
 from ddpflow import cli
 from ddpflow.config import load_config
-from ddpflow.core.errors import UserError
 from ddpflow.data import crops, prepared
-from ddpflow.engine import checkpoint
 from ddpflow.inference import common, evaluate
 from ddpflow.results import plots
-from ddpflow.results.provenance import expected_record
-from ddpflow.results.summary import write_summary
-from ddpflow.seams.contract import probe
-from ddpflow.seams.models import build_model
 from fixtures import image_tree
-
-
-def _refusal(fn, *args, **kw) -> str:
-    with pytest.raises(UserError) as e:
-        fn(*args, **kw)
-    return str(e.value)
-
-
-def _weights(cfg, meta, seed: int) -> dict:
-    torch.manual_seed(seed)
-    model = build_model(cfg.model, meta["num_classes"], meta["image_shape"][2],
-                        probe(cfg, meta))
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _finish(cfg, stage: str, final: dict, best: dict, ema: dict | None = None) -> None:
-    """final.pt, best.pt and summary.json as a finished stage writes them (stagelog.py)."""
-    out = cfg.stage_dir(stage)
-    record = expected_record(cfg, stage)
-
-    def handed(sd, avg):
-        return {"model": sd, "weights": "raw"} if avg is None else \
-            {"model": avg, "weights": "ema", "model_raw": sd}
-
-    sha = checkpoint.save_file(out / "final.pt", {**handed(final, ema), "step": 12,
-                                                  "record": record})
-    checkpoint.save_file(out / "best.pt", {**handed(best, None if ema is None else best),
-                                           "step": 8, "record": record})
-    write_summary(out / "summary.json", {"finished": True, "steps": 12, "wall_time_s": 1.0,
-                                         "world_size": 1, "final_sha256": sha,
-                                         "record": record})
+from test_inference_unit import _finish, _refusal, _weights  # the same stages, written
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from ddpflow.launch import procs
+from test_launch_unit import _alive  # a pid that is neither gone nor a zombie
 
 LAUNCHER = """
 import json, os, signal, subprocess, sys, threading, time
@@ -148,14 +149,6 @@ def launcher():
         for s, h in handlers.items():
             signal.signal(s, h)
         libc.prctl(36, reaper.value)  # PR_SET_CHILD_SUBREAPER
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
 
 
 def test_after_torchrun_ends_the_ranks_of_this_run_it_left_are_stopped(tmp_path, launcher):

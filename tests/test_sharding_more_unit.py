@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import test_sharding_unit
 from ddpflow.core.errors import UserError
 from ddpflow.engine import memory, sharding
 
@@ -397,14 +398,7 @@ def test_block_inputs_notes_the_tensor_inputs_until_removed():
 
 # ------------------------------------------------------------------ FSDP on one gloo rank
 
-@pytest.fixture
-def one_rank(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
+one_rank = test_sharding_unit.one_rank  # the fixture: a gloo process group of one rank
 
 
 def _sharded(weight) -> bool:

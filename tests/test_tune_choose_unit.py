@@ -13,35 +13,18 @@ no training step is run.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+import test_tune_unit
 from conftest import tiny_config
 from ddpflow.config import from_dict
-from ddpflow.engine import distributed, throughput, tune, tunebudget
+from ddpflow.engine import distributed, throughput, tune
 
 CPU = torch.device("cpu")
 MiB = 2**20
-
-
-class Clock:
-    """monotonic seconds the test moves (tune's and tunebudget's clock)."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = Clock()
-    monkeypatch.setattr(tune, "time", SimpleNamespace(monotonic=c))
-    monkeypatch.setattr(tunebudget, "clock", c)
-    return c
+clock = test_tune_unit.clock  # the fixture: the monotonic clock the test moves
 
 
 class Scripted:
