@@ -143,5 +143,5 @@ def test_the_check_fails_on_a_survivor_the_debt_does_not_owe(tool, capsys):
     assert mutate.cmd_check(args) == 1
     out = capsys.readouterr().out
     assert "FAIL mutate check: a survivor no test kills" in out
-    assert "the mutation score 0.0% is under its floor 33.3%" in out
+    assert "the mutation score 0.0% (0 of 3 killed) is under its floor 33.3%" in out
 

@@ -590,7 +590,10 @@ def cmd_check(a) -> int:
           f"{floor:.1%}, the target {MIN_SCORE:.0%}); debt: {len(debt['unmutated'])} "
           f"function(s) unmutated, {len(owed)} survivor(s) owed (baseline.json)", flush=True)
     if score < floor:
-        problems.append(f"the mutation score {score:.1%} is under its floor {floor:.1%}")
+        # the counts too: a score a few mutants under a floor of 100% still reads 100.0%
+        problems.append(f"the mutation score {score:.1%} ({total['killed']} of "
+                        f"{total['mutants'] - total['equivalent']} killed) is under its "
+                        f"floor {floor:.1%}")
     for p in problems:
         print(f"FAIL mutate check: {p}", flush=True)
     if problems:
